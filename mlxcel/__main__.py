@@ -1,0 +1,5 @@
+import sys
+
+from mlxcel.cli import main
+
+sys.exit(main())

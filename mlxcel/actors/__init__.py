@@ -1,0 +1,1 @@
+"""One actor per module; each exposes `async def run(self, *, task_status)`."""

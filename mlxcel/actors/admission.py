@@ -1,0 +1,74 @@
+"""The admission actor: the gate between HTTP and the pipeline.
+
+``submit`` is synchronous and runs inside the HTTP handler, before any response byte: it
+validates the request, reserves a place in the bounded queue (a full queue is ``ServerBusy``,
+503) and hands the request on without blocking. The reservation travels with the request's
+OutputSlot and is released by whoever takes it out of the queue (the scheduler when it starts
+running, or any stage that drops it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import trio
+
+from mlxcel.runtime.errors import InvalidRequest, ServerBusy, Unavailable
+from mlxcel.runtime.messages import GenerationRequest, Submit
+from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
+
+MAX_STOP_STRINGS = 16
+
+
+def validate(request: GenerationRequest) -> None:
+    """Range checks that need no model. Raises InvalidRequest naming the field."""
+    s = request.sampling
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidRequest("temperature must be a number >= 0", param="temperature")
+    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
+        raise InvalidRequest("top_p must be between 0 and 1", param="top_p")
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
+    if any(not s for s in request.stop):
+        raise InvalidRequest("stop strings must not be empty", param="stop")
+
+
+class Admission:
+    def __init__(self, *, max_queue_depth: int, outbox: trio.MemorySendChannel[Submit], aborts: AbortBox) -> None:
+        self._limiter = trio.CapacityLimiter(max_queue_depth)
+        # Every item in the lane holds a reservation, so the lane can never be full.
+        self._lane_tx, self._lane_rx = trio.open_memory_channel[Submit](max_queue_depth)
+        self._outbox = outbox
+        self._aborts = aborts
+        self._draining = False
+        self._ids = itertools.count()
+
+    @property
+    def queued(self) -> int:
+        return int(self._limiter.borrowed_tokens)
+
+    def drain(self) -> None:
+        """Stop admitting: every later submit is 503 while in-flight work finishes."""
+        self._draining = True
+
+    def submit(self, request: GenerationRequest) -> OutputSlot:
+        if self._draining:
+            raise Unavailable("The server is shutting down.")
+        validate(request)
+        borrower = (request.request_id, next(self._ids))
+        try:
+            self._limiter.acquire_on_behalf_of_nowait(borrower)
+        except trio.WouldBlock:
+            raise ServerBusy() from None
+        slot = OutputSlot(request.request_id, Reservation(self._limiter, borrower), self._aborts)
+        self._lane_tx.send_nowait(Submit(request, slot))
+        return slot
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Forward admitted requests to the tokenizer in order until cancelled."""
+        task_status.started()
+        async for sub in self._lane_rx:
+            await self._outbox.send(sub)

@@ -1,0 +1,38 @@
+"""The Backend protocol the model runner drives, and what a loaded backend tells the server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from mlxcel.runtime.messages import StepOutput, StepPlan
+
+
+@attrs.frozen(kw_only=True)
+class ModelInfo:
+    """Facts about the served model that the Trio side needs (no mlx objects in here)."""
+
+    model_id: str
+    path: Path | None
+    # A transformers tokenizer: thread-safe for encode/decode, used off the compute thread.
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    context_length: int
+    chat_template: str | None
+    description: str = ""
+
+
+class Backend(Protocol):
+    """Built and used only on the model runner's thread.
+
+    ``apply`` removes, inserts, then advances every live sequence by one step: one decode
+    token each, plus one prefill chunk for sequences still reading their prompt.
+    """
+
+    info: ModelInfo
+
+    def apply(self, plan: StepPlan) -> StepOutput: ...
+
+    def close(self) -> None: ...

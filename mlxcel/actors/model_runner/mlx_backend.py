@@ -1,0 +1,100 @@
+"""The production Backend: mlx-lm's BatchGenerator on the model runner's thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.actors.model_runner.sampling import make_sampler
+from mlxcel.models.loader import LoadedModel
+from mlxcel.runtime.messages import (
+    InsertSequence,
+    PrefillProgress,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    TokenOut,
+)
+from mlxcel.runtime.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class MlxBackend:
+    def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
+        self._loaded = loaded
+        ctx = settings.ctx_size or loaded.context_length
+        self.info = ModelInfo(
+            model_id=settings.alias or loaded.model_id,
+            path=loaded.path,
+            tokenizer=loaded.tokenizer,
+            eos_token_ids=frozenset(loaded.eos_token_ids),
+            context_length=ctx,
+            chat_template=loaded.chat_template,
+            description=f"{loaded.model_id} ({loaded.dtype})",
+        )
+        self._gen = BatchGenerator(
+            loaded.model,
+            max_tokens=ctx,
+            stop_tokens=[[t] for t in sorted(loaded.eos_token_ids)],
+            completion_batch_size=settings.parallel,
+            prefill_batch_size=settings.parallel,
+            prefill_step_size=settings.prefill_chunk_size,
+        )
+        self._rid_by_uid: dict[int, str] = {}
+        self._uid_by_rid: dict[str, int] = {}
+
+    def warmup(self) -> float:
+        """Run one tiny generation so the first request pays no first-call costs."""
+        tic = time.perf_counter()
+        bos = min(self.info.eos_token_ids) if self.info.eos_token_ids else 0
+        plan = StepPlan(
+            inserts=(InsertSequence("warmup", (bos, bos, bos), 2, SamplingParams(temperature=0.0)),)
+        )
+        while True:
+            out = self.apply(plan)
+            plan = StepPlan()
+            if any(t.finish_reason for t in out.tokens):
+                break
+        return time.perf_counter() - tic
+
+    def apply(self, plan: StepPlan) -> StepOutput:
+        if plan.removes:
+            uids = [self._uid_by_rid.pop(rid) for rid in plan.removes if rid in self._uid_by_rid]
+            for uid in uids:
+                self._rid_by_uid.pop(uid, None)
+            self._gen.remove(uids)
+        if plan.inserts:
+            uids = self._gen.insert(
+                [list(s.prompt_tokens) for s in plan.inserts],
+                max_tokens=[s.max_tokens for s in plan.inserts],
+                samplers=[make_sampler(s.sampling) for s in plan.inserts],
+            )
+            for uid, seq in zip(uids, plan.inserts, strict=True):
+                self._rid_by_uid[uid] = seq.request_id
+                self._uid_by_rid[seq.request_id] = uid
+        if not self._rid_by_uid:
+            return StepOutput()
+
+        prompt_responses, generation_responses = self._gen.next()
+        tokens = []
+        for r in generation_responses:
+            rid = self._rid_by_uid[r.uid]
+            tokens.append(TokenOut(rid, r.token, r.finish_reason))  # type: ignore[arg-type]
+            if r.finish_reason is not None:
+                del self._rid_by_uid[r.uid]
+                del self._uid_by_rid[rid]
+        prefill = tuple(
+            PrefillProgress(self._rid_by_uid[p.uid], int(p.progress[0]), int(p.progress[1]))
+            for p in prompt_responses
+            if p.uid in self._rid_by_uid
+        )
+        return StepOutput(tokens=tuple(tokens), prefill=prefill)
+
+    def close(self) -> None:
+        self._gen.close()
+        mx.clear_cache()

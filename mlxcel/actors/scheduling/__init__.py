@@ -1,0 +1,1 @@
+"""Pure, synchronous scheduling policy: no Trio, no mlx, unit-tested on its own."""

@@ -1,0 +1,76 @@
+"""Continuous-batching policy: who runs next, who leaves, decided between steps.
+
+The scheduler actor calls ``plan`` at every step boundary with the ids aborted since the last
+one. Aborted running sequences are removed in the same plan, so a disconnected request stops
+consuming compute within one step (one decode step or one prefill chunk). Queued requests are
+admitted FIFO while fewer than ``parallel`` sequences run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+import attrs
+
+from mlxcel.runtime.messages import InsertSequence, StepOutput, StepPlan, Tokenized
+
+
+@attrs.define
+class SchedulerState:
+    parallel: int
+    waiting: deque[Tokenized] = attrs.field(factory=deque)
+    running: dict[str, Tokenized] = attrs.field(factory=dict)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def enqueue(self, item: Tokenized) -> None:
+        self.waiting.append(item)
+
+
+@attrs.frozen
+class Decision:
+    plan: StepPlan
+    # Requests that left the queue without running (their reservation must be released).
+    dropped: tuple[Tokenized, ...]
+    # Requests that start running with this plan.
+    started: tuple[Tokenized, ...]
+
+
+def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
+    aborted = set(aborted)
+    removes = tuple(rid for rid in aborted if rid in state.running)
+    for rid in removes:
+        del state.running[rid]
+
+    dropped = tuple(item for item in state.waiting if item.request.request_id in aborted)
+    if dropped:
+        state.waiting = deque(i for i in state.waiting if i.request.request_id not in aborted)
+
+    started: list[Tokenized] = []
+    while state.waiting and len(state.running) < state.parallel:
+        item = state.waiting.popleft()
+        state.running[item.request.request_id] = item
+        started.append(item)
+
+    inserts = tuple(
+        InsertSequence(
+            request_id=item.request.request_id,
+            prompt_tokens=item.prompt_tokens,
+            max_tokens=item.max_tokens,
+            sampling=item.request.sampling,
+        )
+        for item in started
+    )
+    return Decision(StepPlan(removes=removes, inserts=inserts), dropped, tuple(started))
+
+
+def complete(state: SchedulerState, output: StepOutput) -> tuple[str, ...]:
+    """Forget the sequences that finished in this step; return their ids."""
+    finished = [t.request_id for t in output.tokens if t.finish_reason is not None]
+    finished += [rid for rid, _ in output.errors]
+    for rid in finished:
+        state.running.pop(rid, None)
+    return tuple(finished)

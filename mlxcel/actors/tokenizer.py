@@ -1,0 +1,101 @@
+"""The tokenizer actor: chat templates and encoding, in a worker thread.
+
+Requests are handled in arrival order. Rendering and encoding run in ``trio.to_thread`` so a
+long prompt never blocks the event loop; transformers' fast tokenizers are safe to call from
+a thread while the streamer decodes on the Trio thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, assert_never
+
+import trio
+
+from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
+from mlxcel.runtime.messages import ChatPrompt, GenerationRequest, Submit, TextPrompt, Tokenized
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerActor:
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        context_length: int,
+        n_predict: int,
+        inbox: trio.MemoryReceiveChannel[Submit],
+        outbox: trio.MemorySendChannel[Tokenized],
+    ) -> None:
+        self._tok = tokenizer
+        self._ctx = context_length
+        self._n_predict = n_predict
+        self._inbox = inbox
+        self._outbox = outbox
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; a request being encoded when cancellation comes is dropped
+        after its thread returns (encoding cannot be interrupted)."""
+        task_status.started()
+        async for sub in self._inbox:
+            if sub.slot.cancelled:
+                sub.slot.reservation.release()
+                continue
+            try:
+                tokens = await trio.to_thread.run_sync(self.encode, sub.request)
+                max_tokens = self.budget(sub.request, len(tokens))
+            except MlxcelError as error:
+                sub.slot.fail(error)
+                sub.slot.reservation.release()
+                continue
+            except Exception as error:  # a bug for this request only: contain it here
+                log.exception("tokenizing %s failed", sub.request.request_id)
+                sub.slot.fail(InternalError(f"Tokenization failed: {type(error).__name__}"))
+                sub.slot.reservation.release()
+                continue
+            sub.slot.accept(len(tokens))
+            await self._outbox.send(Tokenized(sub.request, sub.slot, tuple(tokens), max_tokens))
+
+    def render(self, request: GenerationRequest) -> str:
+        """The exact text the model will read (the chat template applied)."""
+        prompt = request.prompt
+        match prompt:
+            case ChatPrompt(messages=messages):
+                try:
+                    return str(
+                        self._tok.apply_chat_template(
+                            list(messages), tokenize=False, add_generation_prompt=True
+                        )
+                    )
+                except Exception as error:  # jinja raises plain exceptions for template errors
+                    raise InvalidRequest(f"The chat template could not render these messages: {error}") from error
+            case TextPrompt(text=text):
+                return text
+            case _:
+                assert_never(prompt)
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        text = self.render(request)
+        # A chat template writes its own BOS; raw text gets the tokenizer's special prefix.
+        add_special = isinstance(request.prompt, TextPrompt)
+        tokens: list[int] = list(self._tok.encode(text, add_special_tokens=add_special))
+        if not tokens:
+            # Unconditional generation from an empty prompt starts from BOS (or EOS, as GPT-2).
+            start = self._tok.bos_token_id if self._tok.bos_token_id is not None else self._tok.eos_token_id
+            tokens = [int(start)]
+        return tokens
+
+    def budget(self, request: GenerationRequest, n_prompt: int) -> int:
+        room = self._ctx - n_prompt
+        if room <= 0:
+            raise InvalidRequest(
+                f"The request exceeds the available context size: {n_prompt} prompt tokens, "
+                f"context size {self._ctx}.",
+                param="messages" if isinstance(request.prompt, ChatPrompt) else "prompt",
+            )
+        cap = request.max_tokens
+        if cap is None and self._n_predict > 0:
+            cap = self._n_predict
+        # llama-server clamps silently to the context window rather than failing.
+        return room if cap is None else min(cap, room)

@@ -1,0 +1,180 @@
+"""`mlxcel serve ...` and `mlxcel-server ...`: the same flags, also read from LLAMA_ARG_* env.
+
+Precedence is llama-server's: a flag on the command line, then its environment variable, then
+the default. BLAS is chosen here, before anything imports mlx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlxcel.runtime.settings import Settings, default_cache_dir
+
+log = logging.getLogger("mlxcel")
+
+_TRUE = {"1", "true", "yes", "on", "enabled"}
+_FALSE = {"0", "false", "no", "off", "disabled"}
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = _env(name)
+    if value is None:
+        return default
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise SystemExit(f"error: {name}={value!r} is not a boolean (use 1/0, true/false)")
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    d = Settings()
+
+    def opt(*flags: str, env: str, type: Any = str, default: Any = None, help: str, **kw: Any) -> None:
+        raw = _env(env)
+        if raw is not None:
+            try:
+                default = type(raw)
+            except ValueError:
+                raise SystemExit(f"error: {env}={raw!r} is not a valid {type.__name__}") from None
+        p.add_argument(*flags, type=type, default=default, help=f"{help} (env: {env})", **kw)
+
+    opt("-m", "--model", env="LLAMA_ARG_MODEL", default=d.model, metavar="PATH|REPO",
+          help="MLX or Hugging Face folder, .gguf file, or hub repo id; default: the embedded "
+               "SmolLM2-135M-Instruct")
+    opt("-a", "--alias", env="LLAMA_ARG_ALIAS", default=d.alias, help="id the model is served under")
+    opt("--cache-dir", env="MLXCEL_CACHE_DIR", type=Path, default=default_cache_dir(),
+        help="where converted models are cached")
+    p.add_argument("--keep-quantized", action="store_true",
+                   default=_env_bool("MLXCEL_KEEP_QUANTIZED", d.keep_quantized),
+                   help="keep quantised weights instead of dequantising to float32 at load "
+                        "(slower on CPU) (env: MLXCEL_KEEP_QUANTIZED)")
+    opt("--host", env="LLAMA_ARG_HOST", default=d.host, help="address to listen on")
+    opt("--port", env="LLAMA_ARG_PORT", type=int, default=d.port, help="TCP port")
+    opt("-c", "--ctx-size", env="LLAMA_ARG_CTX_SIZE", type=int, default=d.ctx_size,
+        help="context window per sequence, prompt plus output; 0 = the model's own")
+    opt("-n", "--n-predict", "--predict", env="LLAMA_ARG_N_PREDICT", type=int, default=d.n_predict,
+        help="default cap on generated tokens; -1 = until end of sequence or context")
+    opt("-np", "--parallel", env="LLAMA_ARG_N_PARALLEL", type=int, default=d.parallel,
+        help="sequences decoded together (continuous batching slots)")
+    opt("--max-queue-depth", env="LLAMA_ARG_MAX_QUEUE_DEPTH", type=int, default=d.max_queue_depth,
+        help="requests waiting for a slot before new ones get 503 server_busy")
+    opt("--prefill-chunk-size", env="LLAMA_ARG_PREFILL_CHUNK_SIZE", type=int,
+        default=d.prefill_chunk_size, help="prompt tokens processed per step")
+    opt("--sse-ping-interval", env="LLAMA_ARG_SSE_PING_INTERVAL", type=float,
+        default=d.sse_ping_interval, help="seconds between SSE keepalive comments; -1 = off")
+    p.add_argument("--warmup", dest="warmup", action="store_true",
+                   default=_env_bool("LLAMA_ARG_WARMUP", d.warmup),
+                   help="run a tiny generation before listening (default; env: LLAMA_ARG_WARMUP)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up")
+    opt("--graceful-timeout", env="LLAMA_ARG_GRACEFUL_TIMEOUT", type=float,
+        default=d.graceful_timeout,
+        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    checks = {
+        "--parallel": args.parallel >= 1,
+        "--max-queue-depth": args.max_queue_depth >= 1,
+        "--prefill-chunk-size": args.prefill_chunk_size >= 1,
+        "--ctx-size": args.ctx_size >= 0,
+        "--n-predict": args.n_predict >= -1,
+        "--port": 0 <= args.port <= 65535,
+    }
+    for flag, ok in checks.items():
+        if not ok:
+            raise SystemExit(f"error: {flag} is out of range")
+    return Settings(
+        model=args.model,
+        alias=args.alias,
+        host=args.host,
+        port=args.port,
+        ctx_size=args.ctx_size,
+        n_predict=args.n_predict,
+        parallel=args.parallel,
+        max_queue_depth=args.max_queue_depth,
+        prefill_chunk_size=args.prefill_chunk_size,
+        sse_ping_interval=args.sse_ping_interval,
+        warmup=args.warmup,
+        graceful_timeout=args.graceful_timeout,
+        keep_quantized=args.keep_quantized,
+        verbose=args.verbose,
+        cache_dir=args.cache_dir,
+    )
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose >= 2 else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if verbose < 2:
+        logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+
+
+def _leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def run_serve(settings: Settings) -> int:
+    _configure_logging(settings.verbose)
+    from mlxcel.models.blas import preload_blas
+
+    blas = preload_blas()
+    if blas.fast:
+        log.info("BLAS: %s (%s)", blas.name, blas.path or "system")
+    else:
+        log.warning(
+            "BLAS: only the reference BLAS bundled with mlx is available: float32 matmul is "
+            "~30x slower. Install OpenBLAS (Debian: apt-get install libopenblas0-pthread)."
+        )
+
+    import trio
+
+    from mlxcel.models.errors import ModelNotFound
+    from mlxcel.server import serve
+
+    try:
+        trio.run(serve, settings)
+    except BaseException as error:  # noqa: BLE001 - unwrap the nursery's group, report, exit
+        leaf = _leaf(error)
+        if isinstance(leaf, ModelNotFound):
+            print(f"error: {leaf}", file=sys.stderr)
+            return 1
+        if isinstance(leaf, KeyboardInterrupt):
+            return 0
+        raise
+    return 0
+
+
+def main_server(argv: Sequence[str] | None = None) -> int:
+    """`mlxcel-server`: llama-server's command line."""
+    p = argparse.ArgumentParser(prog="mlxcel-server", description="LLM inference server on MLX")
+    add_serve_flags(p)
+    return run_serve(settings_from(p.parse_args(argv)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`mlxcel`: subcommands (`serve`)."""
+    p = argparse.ArgumentParser(prog="mlxcel", description="LLM inference server on MLX")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    serve = sub.add_parser("serve", help="serve a model over HTTP (llama-server's flags)",
+                           description="Serve a model: OpenAI and llama-server compatible HTTP API")
+    add_serve_flags(serve)
+    args = p.parse_args(argv)
+    if args.command != "serve":
+        p.print_help()
+        return 2
+    return run_serve(settings_from(args))

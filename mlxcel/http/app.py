@@ -1,0 +1,57 @@
+"""Builds the Quart-Trio app: blueprints, limits, and the error mapping for every route."""
+
+from __future__ import annotations
+
+import logging
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from mlxcel.http import native, openai
+from mlxcel.http.context import ServerContext
+from mlxcel.http.errors import Family, error_response, unexpected
+from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_BYTES = 2 * 1024 * 1024
+
+
+def _family() -> Family:
+    return "native" if request.blueprint == "native" else "openai"
+
+
+def create_app(ctx: ServerContext) -> QuartTrio:
+    app = QuartTrio("mlxcel")
+    app.config["MLXCEL"] = ctx
+    # Streams last as long as generation does: Quart's 60 s response/body timeouts would cut
+    # them silently. Idle sockets are Hypercorn's business (keep-alive timeout).
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = MAX_JSON_BYTES
+    app.register_blueprint(native.bp)
+    app.register_blueprint(openai.bp)
+
+    @app.errorhandler(MlxcelError)
+    async def _mlxcel(error: MlxcelError) -> Response:
+        return error_response(error, _family())
+
+    @app.errorhandler(HTTPException)
+    async def _http(error: HTTPException) -> Response:
+        code = error.code or 500
+        mapped: MlxcelError
+        if code == 404:
+            mapped = NotFound(f"Route {request.method} {request.path} not found")
+        elif code == 413:
+            mapped = PayloadTooLarge(f"Request body larger than {MAX_JSON_BYTES} bytes")
+        else:
+            mapped = InvalidRequest(error.description or error.name)
+            mapped.status = code
+        return error_response(mapped, _family())
+
+    @app.errorhandler(Exception)
+    async def _other(error: Exception) -> Response:
+        return error_response(unexpected(error), _family())
+
+    return app

@@ -1,0 +1,48 @@
+"""What the HTTP handlers need from the running system, reached through the app."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+from quart import current_app
+
+from mlxcel.actors.admission import Admission
+from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.runtime.errors import NotFound
+from mlxcel.runtime.settings import Settings
+
+
+@attrs.define
+class ServerContext:
+    settings: Settings
+    admission: Admission
+    info: ModelInfo
+    created: int = attrs.field(factory=lambda: int(time.time()))
+    ready: bool = False
+
+    @property
+    def model_id(self) -> str:
+        return self.info.model_id
+
+    def check_model(self, requested: str | None) -> str:
+        """The served id for a request's `model` field; unknown names are a 404."""
+        if requested is None or requested in self.accepted_names:
+            return self.model_id
+        raise NotFound(
+            f"The model '{requested}' does not exist. This server serves '{self.model_id}' "
+            f"(also reachable as 'default').",
+            param="model",
+        )
+
+    @property
+    def accepted_names(self) -> frozenset[str]:
+        names = {self.model_id, "default"}
+        if self.info.path is not None:
+            names.add(self.info.path.name)
+        return frozenset(names)
+
+
+def server() -> ServerContext:
+    ctx: ServerContext = current_app.config["MLXCEL"]
+    return ctx

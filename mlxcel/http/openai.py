@@ -1,0 +1,184 @@
+"""OpenAI routes: /v1/chat/completions, /v1/completions, /v1/models (and their aliases).
+
+Every generation route follows the same shape: parse and validate (400 before any work),
+``admission.submit`` (503 before any byte), wait until the prompt is tokenized (a too-long
+prompt is still a clean 400), then either collect the output or stream it as SSE. Whatever
+way the handler ends -- finished, failed, or cancelled because the client went away -- its
+``finally`` cancels the slot, which aborts the generation at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from quart import Blueprint, Response, request
+
+from mlxcel.http import sse
+from mlxcel.http.context import ServerContext, server
+from mlxcel.http.errors import envelope, error_response
+from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
+from mlxcel.runtime.errors import InvalidRequest, MlxcelError
+from mlxcel.runtime.messages import GenerationRequest
+from mlxcel.runtime.slot import OutputSlot
+
+bp = Blueprint("openai", __name__)
+
+# Builds one streamed choice: (text delta or None for the finish chunk, finish_reason).
+ChoiceFn = Callable[[str | None, str | None], dict[str, Any]]
+
+
+async def read_json() -> Any:
+    raw = await request.get_data()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InvalidRequest(f"Invalid JSON in request body: {error}") from None
+
+
+def _usage(slot: OutputSlot) -> dict[str, int]:
+    return {
+        "prompt_tokens": slot.prompt_tokens,
+        "completion_tokens": slot.completion_tokens,
+        "total_tokens": slot.prompt_tokens + slot.completion_tokens,
+    }
+
+
+async def _start(ctx: ServerContext, gen: GenerationRequest) -> OutputSlot:
+    slot = ctx.admission.submit(gen)
+    try:
+        await slot.wait_accepted()
+    except BaseException:
+        slot.cancel()
+        raise
+    return slot
+
+
+async def _collect(slot: OutputSlot) -> tuple[str, str]:
+    try:
+        parts = []
+        while True:
+            update = await slot.next()
+            assert update is not None  # no timeout given
+            parts.append(update.text)
+            if update.finish_reason is not None:
+                return "".join(parts), update.finish_reason
+    finally:
+        slot.cancel()
+
+
+def _stream(
+    ctx: ServerContext,
+    slot: OutputSlot,
+    base: dict[str, Any],
+    choice: ChoiceFn,
+    first: dict[str, Any] | None,
+    options: StreamOptions | None,
+) -> Response:
+    ping = ctx.settings.sse_ping_interval if ctx.settings.sse_ping_enabled else float("inf")
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse.data({**base, "choices": choices, **extra})
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield chunk([first])
+            while True:
+                try:
+                    update = await slot.next(timeout=ping)
+                except MlxcelError as error:
+                    yield sse.data(envelope(error))
+                    return
+                if update is None:
+                    yield sse.KEEPALIVE
+                    continue
+                if update.text:
+                    yield chunk([choice(update.text, None)])
+                if update.finish_reason is not None:
+                    yield chunk([choice(None, update.finish_reason)])
+                    break
+            if options is not None and options.include_usage:
+                yield chunk([], usage=_usage(slot))
+            yield sse.DONE
+        finally:
+            slot.cancel()
+
+    return Response(body(), content_type="text/event-stream", headers=sse.HEADERS)
+
+
+@bp.post("/v1/chat/completions")
+@bp.post("/chat/completions")
+async def chat_completions() -> Response:
+    ctx = server()
+    body, gen = chat_request(await read_json())
+    model = ctx.check_model(body.model)
+    slot = await _start(ctx, gen)
+    created = int(time.time())
+    base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}
+    if body.stream:
+        base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
+
+        def choice(text: str | None, finish: str | None) -> dict[str, Any]:
+            delta = {} if text is None else {"content": text}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return _stream(ctx, slot, base, choice, first, body.stream_options)
+    text, finish = await _collect(slot)
+    message = {"role": "assistant", "content": text}
+    return _json(
+        {
+            **base,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "usage": _usage(slot),
+        }
+    )
+
+
+@bp.post("/v1/completions")
+async def completions() -> Response:
+    ctx = server()
+    body, gen = completion_request(await read_json())
+    model = ctx.check_model(body.model)
+    slot = await _start(ctx, gen)
+    base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    if body.stream:
+
+        def choice(text: str | None, finish: str | None) -> dict[str, Any]:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        return _stream(ctx, slot, base, choice, None, body.stream_options)
+    text, finish = await _collect(slot)
+    return _json(
+        {
+            **base,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": _usage(slot),
+        }
+    )
+
+
+@bp.get("/v1/models")
+@bp.get("/models")
+async def models() -> Response:
+    ctx = server()
+    entry = {
+        "id": ctx.model_id,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "mlxcel",
+        "meta": {"n_ctx": ctx.info.context_length, "description": ctx.info.description},
+    }
+    ollama = {"name": ctx.model_id, "model": ctx.model_id, "capabilities": ["completion"]}
+    return _json({"object": "list", "data": [entry], "models": [ollama]})
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json")
+
+
+__all__ = ["bp", "error_response"]

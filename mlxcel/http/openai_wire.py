@@ -1,0 +1,171 @@
+"""OpenAI request bodies (wire types) and their conversion into GenerationRequest."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import attrs
+
+from mlxcel.runtime.codec import structure
+from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
+from mlxcel.runtime.messages import (
+    ChatPrompt,
+    GenerationRequest,
+    Prompt,
+    SamplingParams,
+    TextPrompt,
+)
+
+ROLES = {"system", "user", "assistant", "tool", "developer"}
+# Message keys passed on to the chat template as they are.
+MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"}
+# Keys the official SDKs echo back from earlier responses; harmless when null.
+NULLABLE_ECHO_KEYS = {"refusal", "annotations", "audio", "function_call"}
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "video_url": "video", "file": "file"}
+
+
+@attrs.frozen(kw_only=True)
+class StreamOptions:
+    include_usage: bool | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChatCompletionBody:
+    messages: Any
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Any = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CompletionBody:
+    prompt: Any
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: Any = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise InvalidRequest("stop must be a string or a list of strings", param="stop")
+
+
+def _n(value: int | None) -> None:
+    if value is not None and value != 1:
+        raise UnsupportedField("n", "only n=1 is supported")
+
+
+def _sampling(temperature: float | None, top_p: float | None, seed: int | None) -> SamplingParams:
+    if seed is not None and seed < -1:
+        raise InvalidRequest("seed must be -1 (random) or a non-negative integer", param="seed")
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=None if seed is None or seed == -1 else seed,
+    )
+
+
+def _content(content: Any, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string, a list of content parts, or null", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in MEDIA_PARTS:
+            raise InvalidRequest(f"{MEDIA_PARTS[kind]} input is not supported", param=at)
+        else:
+            raise InvalidRequest(f"{at} must be a content part with type 'text'", param=at)
+    return "\n".join(texts)
+
+
+def _messages(value: Any) -> tuple[dict[str, object], ...]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    out = []
+    for i, msg in enumerate(value):
+        at = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise InvalidRequest(f"{at} must be an object", param=at)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"{at}.role must be one of {sorted(ROLES)}", param=f"{at}.role")
+        for key, val in msg.items():
+            if key not in MESSAGE_KEYS and not (key in NULLABLE_ECHO_KEYS and not val):
+                raise UnsupportedField(f"{at}.{key}")
+        rendered: dict[str, object] = {k: v for k, v in msg.items() if k in MESSAGE_KEYS}
+        rendered["role"] = "system" if role == "developer" else role
+        rendered["content"] = _content(msg.get("content"), f"{at}.content") or ""
+        out.append(rendered)
+    if not any(str(m["content"]).strip() or m.get("tool_calls") for m in out):
+        raise InvalidRequest(
+            "Request must include at least one non-empty message content or media input.",
+            param="messages",
+        )
+    return tuple(out)
+
+
+def chat_request(data: Any) -> tuple[ChatCompletionBody, GenerationRequest]:
+    body = structure(data, ChatCompletionBody)
+    _n(body.n)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    request = GenerationRequest(
+        request_id=new_id("chatcmpl"),
+        prompt=ChatPrompt(messages=_messages(body.messages)),
+        sampling=_sampling(body.temperature, body.top_p, body.seed),
+        max_tokens=max_tokens,
+        stop=_stop(body.stop),
+    )
+    return body, request
+
+
+def _prompt(value: Any) -> Prompt:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if not isinstance(value, str):
+        raise InvalidRequest("prompt must be a string", param="prompt")
+    if value and not value.strip():
+        raise InvalidRequest("prompt must not be only whitespace", param="prompt")
+    return TextPrompt(text=value)
+
+
+def completion_request(data: Any) -> tuple[CompletionBody, GenerationRequest]:
+    body = structure(data, CompletionBody)
+    _n(body.n)
+    request = GenerationRequest(
+        request_id=new_id("cmpl"),
+        prompt=_prompt(body.prompt),
+        sampling=_sampling(body.temperature, body.top_p, body.seed),
+        max_tokens=body.max_tokens,
+        stop=_stop(body.stop),
+    )
+    return body, request

@@ -1,0 +1,96 @@
+"""One exception hierarchy for the whole server.
+
+Every error a request can meet is one of these; ``mlxcel.http.errors`` maps each class to a
+status code and to the error envelope of the API family that was called, in one place.
+
+    MlxcelError                      base; never raised directly
+    ├── RequestError                 the request itself is at fault (4xx)
+    │   ├── InvalidRequest           400: malformed JSON, wrong type, out-of-range field
+    │   │   └── UnsupportedField     400: a field we cannot honour, named
+    │   ├── AuthenticationFailed     401
+    │   ├── NotFound                 404: unknown model or route object
+    │   └── PayloadTooLarge          413
+    ├── ServiceError                 the server cannot serve it now (5xx)
+    │   ├── ServerBusy               503: admission queue full (before any SSE byte)
+    │   ├── Unavailable              503: model loading, or the server is shutting down
+    │   ├── NotImplementedRoute      501: a route whose model kind is not loaded
+    │   └── Timeout                  504
+    └── InternalError                500: a bug or a failed computation
+"""
+
+from __future__ import annotations
+
+
+class MlxcelError(Exception):
+    """Base of every error the server reports to a client."""
+
+    status: int = 500
+    error_type: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        # The request field at fault, when there is one (OpenAI puts it in `param`).
+        self.param = param
+
+
+class RequestError(MlxcelError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class InvalidRequest(RequestError):
+    pass
+
+
+class UnsupportedField(InvalidRequest):
+    def __init__(self, field: str, why: str = "is not supported by this server") -> None:
+        super().__init__(f"Unsupported field '{field}': {why}", param=field)
+
+
+class AuthenticationFailed(RequestError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(RequestError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(RequestError):
+    status = 413
+    error_type = "invalid_request_error"
+
+
+class ServiceError(MlxcelError):
+    status = 503
+    error_type = "unavailable_error"
+
+
+class ServerBusy(ServiceError):
+    status = 503
+    error_type = "server_busy"
+
+    def __init__(self, message: str = "All slots are busy. Please try again later.") -> None:
+        super().__init__(message)
+
+
+class Unavailable(ServiceError):
+    status = 503
+    error_type = "unavailable_error"
+
+
+class NotImplementedRoute(ServiceError):
+    status = 501
+    error_type = "not_implemented"
+
+
+class Timeout(ServiceError):
+    status = 504
+    error_type = "timeout_error"
+
+
+class InternalError(MlxcelError):
+    status = 500
+    error_type = "server_error"

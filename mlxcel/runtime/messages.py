@@ -1,0 +1,159 @@
+"""Every message that crosses an actor boundary, grouped by the edge it crosses.
+
+Messages are frozen attrs classes named for what they mean. Wire types (request and response
+JSON) never appear here: ``mlxcel.http`` converts them into these before anything is submitted.
+The table in docs/reference/messages.md is generated from this module (tools/gen_message_table.py);
+a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+
+if TYPE_CHECKING:
+    from mlxcel.runtime.slot import OutputSlot
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+# --- shared request description ------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to pick each next token. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # None: draw from the process-wide generator; an int: a private, reproducible stream.
+    seed: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChatPrompt:
+    """Messages to render through the model's chat template."""
+
+    messages: tuple[dict[str, object], ...]
+
+
+@attrs.frozen(kw_only=True)
+class TextPrompt:
+    """Raw text, encoded as is (with the tokenizer's special prefix tokens)."""
+
+    text: str
+
+
+Prompt = ChatPrompt | TextPrompt
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    request_id: str
+    prompt: Prompt
+    sampling: SamplingParams
+    # None: the server's --n-predict default (and then the context window).
+    max_tokens: int | None
+    stop: tuple[str, ...] = ()
+
+
+# --- http -> admission -> tokenizer ----------------------------------------------------------
+
+
+@attrs.frozen
+class Submit:
+    """A validated request with its reserved queue place and its output slot."""
+
+    request: GenerationRequest
+    slot: OutputSlot
+
+
+# --- tokenizer -> scheduler ------------------------------------------------------------------
+
+
+@attrs.frozen
+class Tokenized:
+    request: GenerationRequest
+    slot: OutputSlot
+    prompt_tokens: tuple[int, ...]
+    # Already clamped to the context window and the server default.
+    max_tokens: int
+
+
+# --- scheduler -> model runner ----------------------------------------------------------------
+
+
+@attrs.frozen
+class InsertSequence:
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+
+
+@attrs.frozen
+class StepPlan:
+    """One step for the compute thread: drop these, add those, then advance everything once."""
+
+    removes: tuple[str, ...] = ()
+    inserts: tuple[InsertSequence, ...] = ()
+
+
+# --- model runner -> scheduler ----------------------------------------------------------------
+
+
+@attrs.frozen
+class TokenOut:
+    request_id: str
+    token: int
+    # "stop" means an end-of-sequence token (which is not text); "length" the token cap.
+    finish_reason: FinishReason | None
+
+
+@attrs.frozen
+class PrefillProgress:
+    request_id: str
+    done: int
+    total: int
+
+
+@attrs.frozen
+class StepOutput:
+    tokens: tuple[TokenOut, ...] = ()
+    prefill: tuple[PrefillProgress, ...] = ()
+    # Sequences that failed inside the step; the scheduler fails their requests.
+    errors: tuple[tuple[str, str], ...] = ()
+
+
+# --- scheduler -> streamer --------------------------------------------------------------------
+
+
+@attrs.frozen
+class OpenStream:
+    """A request got a running place: the streamer starts detokenising for it."""
+
+    request_id: str
+    slot: OutputSlot
+    stop: tuple[str, ...]
+    # The last few prompt tokens: left context for detokenising the first output tokens.
+    prompt_tail: tuple[int, ...]
+
+
+@attrs.frozen
+class StepTokens:
+    """Everything one step produced, for every running request at once."""
+
+    tokens: tuple[TokenOut, ...]
+
+
+@attrs.frozen
+class CloseStream:
+    """The scheduler ended a request (abort or failure) without a finishing token."""
+
+    request_id: str
+    finish_reason: FinishReason
+    error: str | None = None
+
+
+StreamerInbox = OpenStream | StepTokens | CloseStream

@@ -1,0 +1,40 @@
+"""Frozen server settings, built once from CLI flags and LLAMA_ARG_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("MLXCEL_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlxcel"
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    model: str | None = None
+    alias: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # Per-sequence context window; 0 means "what the model was trained for".
+    ctx_size: int = 4096
+    # Default generation cap; -1 runs until EOS or the context is full (llama-server's meaning).
+    n_predict: int = -1
+    parallel: int = 4
+    max_queue_depth: int = 32
+    prefill_chunk_size: int = 512
+    sse_ping_interval: float = 30.0
+    warmup: bool = True
+    graceful_timeout: float = 30.0
+    keep_quantized: bool = False
+    verbose: int = 0
+    cache_dir: Path = attrs.field(factory=default_cache_dir)
+    # "mlx" in production; "fake" is the deterministic backend for unit tests and demos.
+    backend: str = "mlx"
+
+    @property
+    def sse_ping_enabled(self) -> bool:
+        return self.sse_ping_interval > 0

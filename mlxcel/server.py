@@ -1,0 +1,132 @@
+"""The integration point: wires the actors and the HTTP front into one root nursery.
+
+Start order (each waits for the previous one's ``started``): model runner (loads and warms up
+the model on its own thread) -> streamer -> scheduler -> tokenizer -> admission -> HTTP. The
+listener binds only once the model is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from mlxcel.actors.admission import Admission
+from mlxcel.actors.model_runner.backend import Backend, ModelInfo
+from mlxcel.actors.model_runner.runner import ModelRunner
+from mlxcel.actors.scheduler import Scheduler
+from mlxcel.actors.streamer import Streamer
+from mlxcel.actors.tokenizer import TokenizerActor
+from mlxcel.http.app import create_app
+from mlxcel.http.context import ServerContext
+from mlxcel.runtime.messages import StepOutput, StepPlan, StreamerInbox, Submit, Tokenized
+from mlxcel.runtime.settings import Settings
+from mlxcel.runtime.slot import AbortBox
+from mlxcel.runtime.system import wait_for_stop_signal
+
+log = logging.getLogger(__name__)
+
+
+def build_mlx_backend(settings: Settings) -> Backend:
+    """Runs on the model runner's thread: resolve, load, warm up."""
+    from mlxcel.actors.model_runner.mlx_backend import MlxBackend
+    from mlxcel.models.loader import load_model
+    from mlxcel.models.resolve import resolve_model
+
+    resolved = resolve_model(settings.model, settings.cache_dir)
+    loaded = load_model(resolved, keep_quantized=settings.keep_quantized)
+    backend = MlxBackend(loaded, settings)
+    log.info("loaded %s from %s", backend.info.description, loaded.path)
+    if settings.warmup:
+        log.info("warmed up in %.2f s", backend.warmup())
+    return backend
+
+
+def hypercorn_config(settings: Settings) -> Config:
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.graceful_timeout = settings.graceful_timeout
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    return config
+
+
+async def serve(
+    settings: Settings,
+    *,
+    build_backend: Callable[[], Backend] | None = None,
+    stop: trio.Event | None = None,
+    task_status: trio.TaskStatus[tuple[list[str], ServerContext]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the server until SIGINT/SIGTERM (or ``stop`` is set), then shut down gracefully.
+
+    ``started`` reports the bound addresses once the listener accepts connections.
+    """
+    build = build_backend or partial(build_mlx_backend, settings)
+    aborts = AbortBox()
+    plans_tx, plans_rx = trio.open_memory_channel[StepPlan](0)
+    outputs_tx, outputs_rx = trio.open_memory_channel[StepOutput](0)
+    stream_tx, stream_rx = trio.open_memory_channel[StreamerInbox](64)
+    tokenized_tx, tokenized_rx = trio.open_memory_channel[Tokenized](settings.max_queue_depth)
+    submit_tx, submit_rx = trio.open_memory_channel[Submit](0)
+
+    async with trio.open_nursery() as root:
+        info: ModelInfo = await root.start(ModelRunner(build, plans_rx, outputs_tx).run)
+        await root.start(Streamer(info.tokenizer, info.eos_token_ids, stream_rx, aborts).run)
+        await root.start(
+            Scheduler(
+                parallel=settings.parallel,
+                inbox=tokenized_rx,
+                plans=plans_tx,
+                outputs=outputs_rx,
+                streamer=stream_tx,
+                aborts=aborts,
+            ).run
+        )
+        await root.start(
+            TokenizerActor(
+                tokenizer=info.tokenizer,
+                context_length=info.context_length,
+                n_predict=settings.n_predict,
+                inbox=submit_rx,
+                outbox=tokenized_tx,
+            ).run
+        )
+        admission = Admission(max_queue_depth=settings.max_queue_depth, outbox=submit_tx, aborts=aborts)
+        await root.start(admission.run)
+
+        ctx = ServerContext(settings=settings, admission=admission, info=info)
+        app = create_app(ctx)
+        http_stop = trio.Event()
+        http_done = trio.Event()
+
+        async def run_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            try:
+                await hypercorn_serve(
+                    app,  # type: ignore[arg-type]
+                    hypercorn_config(settings),
+                    shutdown_trigger=http_stop.wait,
+                    task_status=task_status,
+                )
+            finally:
+                http_done.set()
+
+        binds: list[str] = await root.start(run_http)
+        ctx.ready = True
+        log.info("serving %s on %s", info.model_id, ", ".join(binds))
+        task_status.started((binds, ctx))
+
+        if stop is None:
+            await wait_for_stop_signal()
+        else:
+            await stop.wait()
+        admission.drain()
+        http_stop.set()
+        await http_done.wait()
+        log.info("stopped")
+        root.cancel_scope.cancel()
+

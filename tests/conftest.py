@@ -1,0 +1,114 @@
+"""Shared fixtures: the real SmolLM2 tokenizer, the tiny random model, servers on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mlxcel.runtime.settings import default_cache_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    return default_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(cache_dir: Path) -> Path:
+    from mlxcel.models.resolve import resolve_model
+
+    return resolve_model(None, cache_dir).path
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(default_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`mlxcel serve` in a child process, as a user starts it."""
+
+    def __init__(self, args: list[str], *, timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlxcel-test-{self.port}.log"
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", "--port", str(self.port), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start:\n{self.log()}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(["-m", str(tiny_model_dir), "--parallel", "4", "--sse-ping-interval", "1"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(tiny_server: ServerProcess) -> Any:
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"{tiny_server.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=True,
+    )

@@ -1,0 +1,65 @@
+"""Incremental detokenisation and stop strings, on the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
+
+TEXTS = [
+    "Hello, world! 12345 numbers split into digits.",
+    "Ünïcödé façade — naïve café 🎉🚀 and 中文字符 mixed.",
+    "def f(x):\n    return x ** 2  # code\n\n\ttabs",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_reassemble_the_text_and_never_split_a_character(
+    smollm_tokenizer: Any, text: str
+) -> None:
+    ids = smollm_tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(smollm_tokenizer)
+    deltas = [detok.add(t) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_emoji_made_of_several_byte_tokens_arrives_whole(smollm_tokenizer: Any) -> None:
+    ids = smollm_tokenizer.encode("🎉", add_special_tokens=False)
+    assert len(ids) > 1, "the test needs a character spread over several tokens"
+    detok = IncrementalDetokenizer(smollm_tokenizer)
+    deltas = [detok.add(t) for t in ids]
+    assert deltas[:-1] == [""] * (len(ids) - 1)
+    assert deltas[-1] == "🎉"
+
+
+def test_stop_string_split_across_deltas_is_cut() -> None:
+    m = StopMatcher(["</end>"])
+    out = []
+    for piece in ["Hello </", "en", "d> never shown"]:
+        text, hit = m.feed(piece)
+        out.append(text)
+        if hit:
+            break
+    assert "".join(out) == "Hello "
+    assert hit == "</end>"
+
+
+def test_partial_stop_prefix_that_does_not_complete_is_released() -> None:
+    m = StopMatcher(["STOP"])
+    assert m.feed("abc ST") == ("abc ", None)
+    assert m.feed("OCK") == ("STOCK", None)
+    assert m.flush() == ""
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    m = StopMatcher(["world", "lo w"])
+    assert m.feed("hello world") == ("hel", "lo w")
+
+
+def test_held_text_is_flushed_at_the_end() -> None:
+    m = StopMatcher(["xyz"])
+    assert m.feed("abx") == ("ab", None)
+    assert m.flush() == "x"
