@@ -49,7 +49,7 @@ def build_mlx_backend(settings: Settings) -> Backend:
 def hypercorn_config(settings: Settings) -> Config:
     config = Config()
     config.bind = [f"{settings.host}:{settings.port}"]
-    config.graceful_timeout = settings.graceful_timeout
+    config.graceful_timeout = 0.5
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     return config
@@ -124,7 +124,13 @@ async def serve(
             await wait_for_stop_signal()
         else:
             await stop.wait()
+        # Stop admitting (503) but keep listening while in-flight requests finish, up to the
+        # graceful timeout; then Hypercorn closes connections and cancels what is left, which
+        # aborts those generations. Hypercorn's own grace period would also wait for idle
+        # keep-alive connections, so it only gets a short one.
         admission.drain()
+        with trio.move_on_after(settings.graceful_timeout):
+            await admission.wait_idle()
         http_stop.set()
         await http_done.wait()
         log.info("stopped")

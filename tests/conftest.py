@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# Before anything imports mlx.core: loads OpenBLAS with RTLD_GLOBAL (see mlxcel/models/blas.py).
+import mlxcel.models  # noqa: F401  isort: skip
+
 import os
 import socket
 import subprocess

@@ -45,6 +45,10 @@ class Admission:
         self._aborts = aborts
         self._draining = False
         self._ids = itertools.count()
+        # Requests whose handler has not finished yet (queued, running, or streaming out).
+        self.active = 0
+        self._idle = trio.Event()
+        self._idle.set()
 
     @property
     def queued(self) -> int:
@@ -63,9 +67,22 @@ class Admission:
             self._limiter.acquire_on_behalf_of_nowait(borrower)
         except trio.WouldBlock:
             raise ServerBusy() from None
-        slot = OutputSlot(request.request_id, Reservation(self._limiter, borrower), self._aborts)
+        slot = OutputSlot(
+            request.request_id, Reservation(self._limiter, borrower), self._aborts, self._closed
+        )
+        self.active += 1
+        self._idle = trio.Event()
         self._lane_tx.send_nowait(Submit(request, slot))
         return slot
+
+    def _closed(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once every admitted request's handler has finished."""
+        await self._idle.wait()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Forward admitted requests to the tokenizer in order until cancelled."""

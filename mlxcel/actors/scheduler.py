@@ -68,7 +68,17 @@ class Scheduler:
                     self._enqueue(self._inbox.receive_nowait())
                 except trio.WouldBlock:
                     break
-            decision = policy.plan(self._state, self._aborts.drain())
+            aborted = self._aborts.drain()
+            decision = policy.plan(self._state, aborted)
+            if log.isEnabledFor(logging.DEBUG) and (aborted or decision.started or decision.dropped):
+                log.debug(
+                    "plan: start %s, remove %s, drop %s; %d running, %d waiting",
+                    [i.request.request_id for i in decision.started],
+                    decision.plan.removes,
+                    [i.request.request_id for i in decision.dropped],
+                    len(self._state.running),
+                    len(self._state.waiting),
+                )
             for item in decision.dropped:
                 item.slot.reservation.release()
             for rid in decision.plan.removes:
@@ -88,7 +98,9 @@ class Scheduler:
             await self._plans.send(decision.plan)
             output = await self._outputs.receive()
             self.steps += 1
-            policy.complete(self._state, output)
+            finished = policy.complete(self._state, output)
+            if finished and log.isEnabledFor(logging.DEBUG):
+                log.debug("finished %s", finished)
             if output.tokens:
                 await self._streamer.send(StepTokens(output.tokens))
             for rid, error in output.errors:

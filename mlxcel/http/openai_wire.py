@@ -44,6 +44,7 @@ class ChatCompletionBody:
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None
+    ignore_eos: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -59,6 +60,7 @@ class CompletionBody:
     stream_options: StreamOptions | None = None
     n: int | None = None
     user: str | None = None
+    ignore_eos: bool | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -144,6 +146,7 @@ def chat_request(data: Any) -> tuple[ChatCompletionBody, GenerationRequest]:
         sampling=_sampling(body.temperature, body.top_p, body.seed),
         max_tokens=max_tokens,
         stop=_stop(body.stop),
+        ignore_eos=bool(body.ignore_eos),
     )
     return body, request
 
@@ -167,5 +170,6 @@ def completion_request(data: Any) -> tuple[CompletionBody, GenerationRequest]:
         sampling=_sampling(body.temperature, body.top_p, body.seed),
         max_tokens=body.max_tokens,
         stop=_stop(body.stop),
+        ignore_eos=bool(body.ignore_eos),
     )
     return body, request

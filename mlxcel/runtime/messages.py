@@ -50,12 +50,16 @@ Prompt = ChatPrompt | TextPrompt
 
 @attrs.frozen(kw_only=True)
 class GenerationRequest:
+    """What a client asked for, in internal terms (built by http/ from the wire body)."""
+
     request_id: str
     prompt: Prompt
     sampling: SamplingParams
     # None: the server's --n-predict default (and then the context window).
     max_tokens: int | None
     stop: tuple[str, ...] = ()
+    # Keep generating through end-of-sequence tokens (llama-server's `ignore_eos`).
+    ignore_eos: bool = False
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -74,6 +78,8 @@ class Submit:
 
 @attrs.frozen
 class Tokenized:
+    """A request with its prompt encoded and its output budget fixed."""
+
     request: GenerationRequest
     slot: OutputSlot
     prompt_tokens: tuple[int, ...]
@@ -86,10 +92,13 @@ class Tokenized:
 
 @attrs.frozen
 class InsertSequence:
+    """Start decoding this prompt as a new sequence of the batch."""
+
     request_id: str
     prompt_tokens: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams
+    ignore_eos: bool = False
 
 
 @attrs.frozen
@@ -105,6 +114,8 @@ class StepPlan:
 
 @attrs.frozen
 class TokenOut:
+    """One sequence's new token from one step."""
+
     request_id: str
     token: int
     # "stop" means an end-of-sequence token (which is not text); "length" the token cap.
@@ -113,6 +124,8 @@ class TokenOut:
 
 @attrs.frozen
 class PrefillProgress:
+    """How far one sequence has read its prompt."""
+
     request_id: str
     done: int
     total: int
@@ -120,6 +133,8 @@ class PrefillProgress:
 
 @attrs.frozen
 class StepOutput:
+    """Everything one step did."""
+
     tokens: tuple[TokenOut, ...] = ()
     prefill: tuple[PrefillProgress, ...] = ()
     # Sequences that failed inside the step; the scheduler fails their requests.

@@ -9,8 +9,11 @@ import attrs
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("MLXCEL_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlxcel"
+    """``$MLXCEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/mlxcel``, else ``~/.cache/mlxcel``."""
+    if env := os.environ.get("MLXCEL_CACHE_DIR"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "mlxcel"
 
 
 @attrs.frozen(kw_only=True)

@@ -12,6 +12,7 @@ id, never a global flag.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -55,10 +56,17 @@ class SlotUpdate:
 
 
 class OutputSlot:
-    def __init__(self, request_id: str, reservation: Reservation, aborts: AbortBox) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        reservation: Reservation,
+        aborts: AbortBox,
+        on_close: Callable[[], None] = lambda: None,
+    ) -> None:
         self.request_id = request_id
         self.reservation = reservation
         self._aborts = aborts
+        self._on_close = on_close
         self._wake = trio.Event()
         self._accepted = trio.Event()
         self._text: list[str] = []
@@ -139,3 +147,4 @@ class OutputSlot:
             if self._finish is None and self._error is None:
                 self._aborts.notify(self.request_id)
             self.reservation.release()
+            self._on_close()

@@ -22,6 +22,7 @@ class _Seq:
     request_id: str
     prompt_len: int
     max_tokens: int
+    ignore_eos: bool = False
     prefilled: int = 0
     generated: int = 0
 
@@ -50,7 +51,9 @@ class FakeBackend:
         for rid in plan.removes:
             self._seqs.pop(rid, None)
         for ins in plan.inserts:
-            self._seqs[ins.request_id] = _Seq(ins.request_id, len(ins.prompt_tokens), ins.max_tokens)
+            self._seqs[ins.request_id] = _Seq(
+                ins.request_id, len(ins.prompt_tokens), ins.max_tokens, ins.ignore_eos
+            )
         if not self._seqs:
             return StepOutput()
         self.steps += 1
@@ -64,7 +67,7 @@ class FakeBackend:
                 self.chunks_done[seq.request_id] = self.chunks_done.get(seq.request_id, 0) + 1
                 prefill.append(PrefillProgress(seq.request_id, seq.prefilled, seq.prompt_len))
                 continue
-            if self._eos_after is not None and seq.generated >= self._eos_after:
+            if not seq.ignore_eos and self._eos_after is not None and seq.generated >= self._eos_after:
                 tokens.append(TokenOut(seq.request_id, self._eos, "stop"))
             else:
                 token = self._script[seq.generated % len(self._script)]

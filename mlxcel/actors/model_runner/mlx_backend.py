@@ -6,11 +6,11 @@ import logging
 import time
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.sampling import make_sampler
-from mlxcel.models.loader import LoadedModel
+from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
     InsertSequence,
     PrefillProgress,
@@ -45,6 +45,8 @@ class MlxBackend:
             prefill_batch_size=settings.parallel,
             prefill_step_size=settings.prefill_chunk_size,
         )
+        self._eos_stop = StopSequences([[t] for t in sorted(loaded.eos_token_ids)])
+        self._no_stop = StopSequences()
         self._rid_by_uid: dict[int, str] = {}
         self._uid_by_rid: dict[str, int] = {}
 
@@ -73,6 +75,7 @@ class MlxBackend:
                 [list(s.prompt_tokens) for s in plan.inserts],
                 max_tokens=[s.max_tokens for s in plan.inserts],
                 samplers=[make_sampler(s.sampling) for s in plan.inserts],
+                stop_sequences=[self._no_stop if s.ignore_eos else self._eos_stop for s in plan.inserts],
             )
             for uid, seq in zip(uids, plan.inserts, strict=True):
                 self._rid_by_uid[uid] = seq.request_id
@@ -96,5 +99,7 @@ class MlxBackend:
         return StepOutput(tokens=tuple(tokens), prefill=prefill)
 
     def close(self) -> None:
+        """Last call on the compute thread: mlx's per-thread streams must not outlive it."""
         self._gen.close()
         mx.clear_cache()
+        release_thread_streams()

