@@ -81,7 +81,31 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     opt("--graceful-timeout", env="LLAMA_ARG_GRACEFUL_TIMEOUT", type=float,
         default=d.graceful_timeout,
         help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY[,KEY...]",
+                   help="require this API key (repeatable, or a comma list) as 'Authorization: "
+                        "Bearer KEY' or 'X-Api-Key: KEY' (env: LLAMA_API_KEY)")
+    opt("--api-key-file", env="LLAMA_ARG_API_KEY_FILE", type=Path, default=None,
+        help="file with one API key per line")
+    opt("--api-prefix", env="LLAMA_ARG_API_PREFIX", default="", help="mount every route under this prefix")
+    opt("--cors-origins", env="LLAMA_ARG_CORS_ORIGINS", default="*",
+        help="comma list of origins allowed by CORS; '*' allows any")
+    opt("-to", "--timeout", env="LLAMA_ARG_TIMEOUT", type=float, default=d.timeout,
+        help="seconds an idle keep-alive connection stays open")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+
+
+def api_keys(args: argparse.Namespace) -> frozenset[str]:
+    raw: list[str] = list(args.api_key)
+    if env := _env("LLAMA_API_KEY"):
+        raw.append(env)
+    keys = {k.strip() for item in raw for k in item.split(",") if k.strip()}
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as error:
+            raise SystemExit(f"error: --api-key-file: {error}") from None
+        keys |= {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    return frozenset(keys)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -112,6 +136,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         keep_quantized=args.keep_quantized,
         verbose=args.verbose,
         cache_dir=args.cache_dir,
+        api_keys=api_keys(args),
+        api_prefix="/" + args.api_prefix.strip("/") if args.api_prefix.strip("/") else "",
+        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        timeout=args.timeout,
     )
 
 

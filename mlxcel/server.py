@@ -7,7 +7,9 @@ listener binds only once the model is ready.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Callable
 from functools import partial
 
@@ -48,7 +50,14 @@ def build_mlx_backend(settings: Settings) -> Backend:
 
 def hypercorn_config(settings: Settings) -> Config:
     config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
+    if settings.unix_socket:
+        config.bind = [f"unix:{settings.unix_socket}"]
+        # Created 0600: only this user may talk to the server through the socket.
+        config.umask = 0o177
+    else:
+        config.bind = [f"{settings.host}:{settings.port}"]
+    config.keep_alive_timeout = settings.timeout
+    config.read_timeout = None
     config.graceful_timeout = 0.5
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
@@ -87,19 +96,18 @@ async def serve(
                 aborts=aborts,
             ).run
         )
-        await root.start(
-            TokenizerActor(
-                tokenizer=info.tokenizer,
-                context_length=info.context_length,
-                n_predict=settings.n_predict,
-                inbox=submit_rx,
-                outbox=tokenized_tx,
-            ).run
+        tokenizer = TokenizerActor(
+            tokenizer=info.tokenizer,
+            context_length=info.context_length,
+            n_predict=settings.n_predict,
+            inbox=submit_rx,
+            outbox=tokenized_tx,
         )
+        await root.start(tokenizer.run)
         admission = Admission(max_queue_depth=settings.max_queue_depth, outbox=submit_tx, aborts=aborts)
         await root.start(admission.run)
 
-        ctx = ServerContext(settings=settings, admission=admission, info=info)
+        ctx = ServerContext(settings=settings, admission=admission, info=info, tokenizer=tokenizer)
         app = create_app(ctx)
         http_stop = trio.Event()
         http_done = trio.Event()
@@ -113,6 +121,9 @@ async def serve(
                     task_status=task_status,
                 )
             finally:
+                if settings.unix_socket:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(settings.unix_socket)
                 http_done.set()
 
         binds: list[str] = await root.start(run_http)

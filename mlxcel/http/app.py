@@ -8,7 +8,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mlxcel.http import native, openai
+from mlxcel.http import health, native, openai, security
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
@@ -19,7 +19,10 @@ MAX_JSON_BYTES = 2 * 1024 * 1024
 
 
 def _family() -> Family:
-    return "native" if request.blueprint == "native" else "openai"
+    return "native" if request.blueprint in NATIVE_BLUEPRINTS else "openai"
+
+
+NATIVE_BLUEPRINTS = frozenset({"native", "health", "public_health"})
 
 
 def create_app(ctx: ServerContext) -> QuartTrio:
@@ -30,8 +33,14 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = MAX_JSON_BYTES
-    app.register_blueprint(native.bp)
-    app.register_blueprint(openai.bp)
+    prefix = ctx.settings.api_prefix.rstrip("/") or None
+    security.install(app, ctx.settings)
+    app.register_blueprint(health.bp, url_prefix=prefix)
+    if prefix:
+        # The health routes stay reachable (and public) without the prefix too.
+        app.register_blueprint(health.bp, name="public_health")
+    app.register_blueprint(native.bp, url_prefix=prefix)
+    app.register_blueprint(openai.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:

@@ -9,6 +9,7 @@ from quart import current_app
 
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.runtime.errors import NotFound
 from mlxcel.runtime.settings import Settings
 
@@ -18,6 +19,8 @@ class ServerContext:
     settings: Settings
     admission: Admission
     info: ModelInfo
+    # Renders and encodes exactly as generation will (thread-safe; used by count routes).
+    tokenizer: TokenizerActor
     created: int = attrs.field(factory=lambda: int(time.time()))
     ready: bool = False
 

@@ -1,21 +1,101 @@
-"""llama-server native routes (this issue: health; the native-routes issue adds the rest)."""
+"""llama-server native routes: tokenize, detokenize, apply-template, input token counts.
+
+Shapes follow llama-server (mlxcel-surface.md §1.3); errors use its envelope.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import trio
 from quart import Blueprint, Response
 
+from mlxcel.actors.token_bytes import piece_for_json, token_bytes
 from mlxcel.http.context import server
-from mlxcel.http.errors import error_response
-from mlxcel.runtime.errors import Unavailable
+from mlxcel.http.openai import read_json
+from mlxcel.http.openai_wire import chat_request
+from mlxcel.runtime.errors import InvalidRequest
 
 bp = Blueprint("native", __name__)
 
 
-@bp.get("/health")
-@bp.get("/v1/health")
-@bp.get("/")
-async def health() -> Response:
-    # Liveness only: 503 while loading, never because the server is busy.
-    if not server().ready:
-        return error_response(Unavailable("Loading model"), "native")
-    return Response('{"status":"ok"}', content_type="application/json")
+def _json(obj: object) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+async def _object_body() -> dict[str, Any]:
+    body = await read_json()
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+@bp.post("/tokenize")
+async def tokenize() -> Response:
+    body = await _object_body()
+    content = body.get("content", "")
+    if not isinstance(content, str):
+        raise InvalidRequest("'content' must be a string", param="content")
+    add_special = _flag(body, "add_special", False)
+    parse_special = _flag(body, "parse_special", True)
+    with_pieces = _flag(body, "with_pieces", False)
+    tok = server().info.tokenizer
+
+    def encode() -> list[int]:
+        return list(
+            tok.encode(content, add_special_tokens=add_special, split_special_tokens=not parse_special)
+        )
+
+    ids = await trio.to_thread.run_sync(encode)
+    if not with_pieces:
+        return _json({"tokens": ids})
+    special = set(getattr(tok, "all_special_ids", ()))
+    pieces = [{"id": i, "piece": piece_for_json(token_bytes(tok, i, i in special))} for i in ids]
+    return _json({"tokens": pieces})
+
+
+@bp.post("/detokenize")
+async def detokenize() -> Response:
+    body = await _object_body()
+    ids = body.get("tokens", [])
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InvalidRequest("'tokens' must be a list of token ids", param="tokens")
+    tok = server().info.tokenizer
+    vocab = len(tok)
+    if any(i < 0 or i >= vocab for i in ids):
+        raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
+    text = await trio.to_thread.run_sync(lambda: tok.decode(ids, skip_special_tokens=False))
+    return _json({"content": text})
+
+
+async def _render_chat(body: dict[str, Any]) -> tuple[str, int]:
+    _, gen = chat_request(body)
+    actor = server().tokenizer
+    text = await trio.to_thread.run_sync(actor.render, gen)
+    n = len(await trio.to_thread.run_sync(actor.encode, gen))
+    return text, n
+
+
+@bp.post("/apply-template")
+async def apply_template() -> Response:
+    body = await _object_body()
+    body.pop("model", None)  # optional here: the served model is implied
+    prompt, _ = await _render_chat(body)
+    return _json({"prompt": prompt})
+
+
+@bp.post("/v1/chat/completions/input_tokens")
+@bp.post("/chat/completions/input_tokens")
+async def chat_input_tokens() -> Response:
+    body = await _object_body()
+    server().check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+    _, n = await _render_chat(body)
+    return _json({"input_tokens": n})

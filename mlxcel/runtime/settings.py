@@ -37,6 +37,21 @@ class Settings:
     cache_dir: Path = attrs.field(factory=default_cache_dir)
     # "mlx" in production; "fake" is the deterministic backend for unit tests and demos.
     backend: str = "mlx"
+    # Accepted API keys; empty means no authentication. Never logged.
+    api_keys: frozenset[str] = attrs.field(factory=frozenset, repr=False)
+    # Every route is mounted under this prefix ("" = at the root).
+    api_prefix: str = ""
+    # Origins allowed by CORS; "*" allows any.
+    cors_origins: tuple[str, ...] = ("*",)
+    # Seconds an idle connection is kept open (keep-alive).
+    timeout: float = 600.0
+
+    @property
+    def unix_socket(self) -> str | None:
+        """llama-server's rule: a host that looks like a path (or ends in .sock) is a UDS."""
+        if "/" in self.host or self.host.endswith(".sock"):
+            return self.host
+        return None
 
     @property
     def sse_ping_enabled(self) -> bool:

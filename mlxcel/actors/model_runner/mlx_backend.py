@@ -42,7 +42,9 @@ class MlxBackend:
             max_tokens=ctx,
             stop_tokens=[[t] for t in sorted(loaded.eos_token_ids)],
             completion_batch_size=settings.parallel,
-            prefill_batch_size=settings.parallel,
+            # Prompts are read in waves of at most 8 (mlx_lm.server's default): a wave of 16
+            # would hold every first token until the whole wave is read.
+            prefill_batch_size=min(settings.parallel, 8),
             prefill_step_size=settings.prefill_chunk_size,
         )
         self._eos_stop = StopSequences([[t] for t in sorted(loaded.eos_token_ids)])
