@@ -89,6 +89,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     opt("--api-prefix", env="LLAMA_ARG_API_PREFIX", default="", help="mount every route under this prefix")
     opt("--cors-origins", env="LLAMA_ARG_CORS_ORIGINS", default="*",
         help="comma list of origins allowed by CORS; '*' allows any")
+    opt("-cram", "--cache-ram", env="LLAMA_ARG_CACHE_RAM", type=int, default=d.cache_ram_mib,
+        help="prompt-cache budget in MiB (KV of finished requests reused by later ones "
+             "sharing a prefix); 0 = off")
     opt("-to", "--timeout", env="LLAMA_ARG_TIMEOUT", type=float, default=d.timeout,
         help="seconds an idle keep-alive connection stays open")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
@@ -116,6 +119,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--ctx-size": args.ctx_size >= 0,
         "--n-predict": args.n_predict >= -1,
         "--port": 0 <= args.port <= 65535,
+        "--cache-ram": args.cache_ram >= 0,
     }
     for flag, ok in checks.items():
         if not ok:
@@ -140,6 +144,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         api_prefix="/" + args.api_prefix.strip("/") if args.api_prefix.strip("/") else "",
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         timeout=args.timeout,
+        cache_ram_mib=args.cache_ram,
     )
 
 

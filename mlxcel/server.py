@@ -25,7 +25,7 @@ from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
-from mlxcel.runtime.messages import StepOutput, StepPlan, StreamerInbox, Submit, Tokenized
+from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
 from mlxcel.runtime.settings import Settings
 from mlxcel.runtime.slot import AbortBox
 from mlxcel.runtime.system import wait_for_stop_signal
@@ -80,22 +80,21 @@ async def serve(
     plans_tx, plans_rx = trio.open_memory_channel[StepPlan](0)
     outputs_tx, outputs_rx = trio.open_memory_channel[StepOutput](0)
     stream_tx, stream_rx = trio.open_memory_channel[StreamerInbox](64)
-    tokenized_tx, tokenized_rx = trio.open_memory_channel[Tokenized](settings.max_queue_depth)
+    tokenized_tx, tokenized_rx = trio.open_memory_channel[SchedulerInbox](settings.max_queue_depth)
     submit_tx, submit_rx = trio.open_memory_channel[Submit](0)
 
     async with trio.open_nursery() as root:
         info: ModelInfo = await root.start(ModelRunner(build, plans_rx, outputs_tx).run)
         await root.start(Streamer(info.tokenizer, info.eos_token_ids, stream_rx, aborts).run)
-        await root.start(
-            Scheduler(
-                parallel=settings.parallel,
-                inbox=tokenized_rx,
-                plans=plans_tx,
-                outputs=outputs_rx,
-                streamer=stream_tx,
-                aborts=aborts,
-            ).run
+        scheduler = Scheduler(
+            parallel=settings.parallel,
+            inbox=tokenized_rx,
+            plans=plans_tx,
+            outputs=outputs_rx,
+            streamer=stream_tx,
+            aborts=aborts,
         )
+        await root.start(scheduler.run)
         tokenizer = TokenizerActor(
             tokenizer=info.tokenizer,
             context_length=info.context_length,
@@ -107,7 +106,14 @@ async def serve(
         admission = Admission(max_queue_depth=settings.max_queue_depth, outbox=submit_tx, aborts=aborts)
         await root.start(admission.run)
 
-        ctx = ServerContext(settings=settings, admission=admission, info=info, tokenizer=tokenizer)
+        ctx = ServerContext(
+            settings=settings,
+            admission=admission,
+            info=info,
+            tokenizer=tokenizer,
+            scheduler=scheduler,
+            scheduler_tx=tokenized_tx.clone(),
+        )
         app = create_app(ctx)
         http_stop = trio.Event()
         http_done = trio.Event()

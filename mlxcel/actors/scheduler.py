@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import trio
 
 from mlxcel.actors.scheduling import policy
 from mlxcel.runtime.messages import (
+    CacheStats,
     CloseStream,
+    ResetCache,
+    SchedulerInbox,
     OpenStream,
     StepOutput,
     StepPlan,
     StepTokens,
     StreamerInbox,
-    Tokenized,
 )
 from mlxcel.runtime.slot import AbortBox
 
@@ -34,7 +37,7 @@ class Scheduler:
         self,
         *,
         parallel: int,
-        inbox: trio.MemoryReceiveChannel[Tokenized],
+        inbox: trio.MemoryReceiveChannel[SchedulerInbox],
         plans: trio.MemorySendChannel[StepPlan],
         outputs: trio.MemoryReceiveChannel[StepOutput],
         streamer: trio.MemorySendChannel[StreamerInbox],
@@ -46,7 +49,9 @@ class Scheduler:
         self._outputs = outputs
         self._streamer = streamer
         self._aborts = aborts
+        self._resets: list[trio.Event] = []
         self.steps = 0
+        self.cache_stats = CacheStats()
 
     @property
     def running(self) -> int:
@@ -61,7 +66,7 @@ class Scheduler:
         output; the runner finishes the step it is in (mlx work cannot be interrupted)."""
         task_status.started()
         while True:
-            if self._state.idle:
+            if self._state.idle and not self._resets:
                 self._enqueue(await self._inbox.receive())
             while True:
                 try:
@@ -93,11 +98,22 @@ class Scheduler:
                         item.prompt_tokens[-_PROMPT_TAIL:],
                     )
                 )
-            if not self._state.running and not decision.plan.removes:
+            plan = decision.plan
+            resets, self._resets = self._resets, []
+            if resets:
+                plan = attrs.evolve(plan, reset_cache=True)
+            if not self._state.running and not plan.removes and not resets:
                 continue
-            await self._plans.send(decision.plan)
+            await self._plans.send(plan)
             output = await self._outputs.receive()
             self.steps += 1
+            for done in resets:
+                done.set()
+            if output.cache is not None:
+                self.cache_stats = output.cache
+            for rid, n in output.cached:
+                if (item := self._state.running.get(rid)) is not None:
+                    item.slot.cached_tokens = n
             finished = policy.complete(self._state, output)
             if finished and log.isEnabledFor(logging.DEBUG):
                 log.debug("finished %s", finished)
@@ -106,7 +122,11 @@ class Scheduler:
             for rid, error in output.errors:
                 await self._streamer.send(CloseStream(rid, "error", error))
 
-    def _enqueue(self, item: Tokenized) -> None:
+    def _enqueue(self, msg: SchedulerInbox) -> None:
+        if isinstance(msg, ResetCache):
+            self._resets.append(msg.done)
+            return
+        item = msg
         if item.slot.cancelled:
             item.slot.reservation.release()
             return

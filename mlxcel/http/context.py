@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 
 import attrs
+import trio
 from quart import current_app
 
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.tokenizer import TokenizerActor
+from mlxcel.runtime.messages import SchedulerInbox
 from mlxcel.runtime.errors import NotFound
 from mlxcel.runtime.settings import Settings
 
@@ -21,6 +24,9 @@ class ServerContext:
     info: ModelInfo
     # Renders and encodes exactly as generation will (thread-safe; used by count routes).
     tokenizer: TokenizerActor
+    # Read-only views (counts, cache stats) and the inbox for control messages.
+    scheduler: Scheduler
+    scheduler_tx: trio.MemorySendChannel[SchedulerInbox]
     created: int = attrs.field(factory=lambda: int(time.time()))
     ready: bool = False
 

@@ -16,6 +16,7 @@ from mlxcel.http.context import server
 from mlxcel.http.openai import read_json
 from mlxcel.http.openai_wire import chat_request
 from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.messages import ResetCache
 
 bp = Blueprint("native", __name__)
 
@@ -99,3 +100,31 @@ async def chat_input_tokens() -> Response:
     server().check_model(body.get("model") if isinstance(body.get("model"), str) else None)
     _, n = await _render_chat(body)
     return _json({"input_tokens": n})
+
+
+@bp.get("/v1/cache/stats")
+async def cache_stats() -> Response:
+    ctx = server()
+    s = ctx.scheduler.cache_stats
+    lookups = s.hits + s.misses
+    return _json(
+        {
+            "enabled": ctx.settings.cache_enabled,
+            "entries": s.entries,
+            "bytes": s.nbytes,
+            "max_bytes": ctx.settings.cache_ram_mib << 20 if ctx.settings.cache_enabled else 0,
+            "hits": s.hits,
+            "misses": s.misses,
+            "evictions": s.evictions,
+            "hit_rate": s.hits / lookups if lookups else 0.0,
+        }
+    )
+
+
+@bp.post("/v1/cache/reset")
+async def cache_reset() -> Response:
+    ctx = server()
+    done = trio.Event()
+    await ctx.scheduler_tx.send(ResetCache(done))
+    await done.wait()
+    return _json({"success": True})

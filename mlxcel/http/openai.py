@@ -38,12 +38,16 @@ async def read_json() -> Any:
         raise InvalidRequest(f"Invalid JSON in request body: {error}") from None
 
 
-def _usage(slot: OutputSlot) -> dict[str, int]:
-    return {
+def _usage(slot: OutputSlot, ctx: ServerContext) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": slot.prompt_tokens,
         "completion_tokens": slot.completion_tokens,
         "total_tokens": slot.prompt_tokens + slot.completion_tokens,
     }
+    # Present only when the cache is on, so {"cached_tokens": 0} means "on, but cold".
+    if ctx.settings.cache_enabled:
+        usage["prompt_tokens_details"] = {"cached_tokens": slot.cached_tokens}
+    return usage
 
 
 async def _start(ctx: ServerContext, gen: GenerationRequest) -> OutputSlot:
@@ -101,7 +105,7 @@ def _stream(
                     yield chunk([choice(None, update.finish_reason)])
                     break
             if options is not None and options.include_usage:
-                yield chunk([], usage=_usage(slot))
+                yield chunk([], usage=_usage(slot, ctx))
             yield sse.DONE
         finally:
             slot.cancel()
@@ -134,7 +138,7 @@ async def chat_completions() -> Response:
             **base,
             "system_fingerprint": None,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(slot),
+            "usage": _usage(slot, ctx),
         }
     )
 
@@ -157,7 +161,7 @@ async def completions() -> Response:
         {
             **base,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": _usage(slot),
+            "usage": _usage(slot, ctx),
         }
     )
 

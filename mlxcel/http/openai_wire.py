@@ -45,6 +45,8 @@ class ChatCompletionBody:
     n: int | None = None
     user: str | None = None
     ignore_eos: bool | None = None
+    cache_prompt: bool | None = None
+    prompt_cache_key: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +63,8 @@ class CompletionBody:
     n: int | None = None
     user: str | None = None
     ignore_eos: bool | None = None
+    cache_prompt: bool | None = None
+    prompt_cache_key: str | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -80,6 +84,13 @@ def _stop(value: Any) -> tuple[str, ...]:
 def _n(value: int | None) -> None:
     if value is not None and value != 1:
         raise UnsupportedField("n", "only n=1 is supported")
+
+
+def cache_key(body: ChatCompletionBody | CompletionBody) -> str | None:
+    """The prompt-cache tenant: `prompt_cache_key`, else `user`; None opts out."""
+    if body.cache_prompt is False:
+        return None
+    return body.prompt_cache_key or body.user or ""
 
 
 def _sampling(temperature: float | None, top_p: float | None, seed: int | None) -> SamplingParams:
@@ -147,6 +158,7 @@ def chat_request(data: Any) -> tuple[ChatCompletionBody, GenerationRequest]:
         max_tokens=max_tokens,
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),
+        cache_key=cache_key(body),
     )
     return body, request
 
@@ -171,5 +183,6 @@ def completion_request(data: Any) -> tuple[CompletionBody, GenerationRequest]:
         max_tokens=body.max_tokens,
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),
+        cache_key=cache_key(body),
     )
     return body, request

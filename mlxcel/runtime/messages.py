@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 if TYPE_CHECKING:
+    import trio
+
     from mlxcel.runtime.slot import OutputSlot
+
+    from mlxcel.actors.embedder import EmbedReply
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -60,6 +64,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     # Keep generating through end-of-sequence tokens (llama-server's `ignore_eos`).
     ignore_eos: bool = False
+    # Prompt-cache tenant; None keeps this request out of the cache (it neither reads nor
+    # donates), as `cache_prompt: false` asks.
+    cache_key: str | None = None
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -99,6 +106,17 @@ class InsertSequence:
     max_tokens: int
     sampling: SamplingParams
     ignore_eos: bool = False
+    cache_key: str | None = None
+
+
+@attrs.frozen
+class ResetCache:
+    """Empty the prompt cache; ``done`` is set once the compute thread has done it."""
+
+    done: trio.Event
+
+
+SchedulerInbox = Tokenized | ResetCache
 
 
 @attrs.frozen
@@ -107,6 +125,7 @@ class StepPlan:
 
     removes: tuple[str, ...] = ()
     inserts: tuple[InsertSequence, ...] = ()
+    reset_cache: bool = False
 
 
 # --- model runner -> scheduler ----------------------------------------------------------------
@@ -139,6 +158,21 @@ class StepOutput:
     prefill: tuple[PrefillProgress, ...] = ()
     # Sequences that failed inside the step; the scheduler fails their requests.
     errors: tuple[tuple[str, str], ...] = ()
+    # Prompt tokens served from the prompt cache, per sequence inserted in this step.
+    cached: tuple[tuple[str, int], ...] = ()
+    cache: CacheStats | None = None
+
+
+@attrs.frozen
+class CacheStats:
+    """The prompt cache as the compute thread last saw it."""
+
+    entries: int = 0
+    nbytes: int = 0
+    max_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
 
 
 # --- scheduler -> streamer --------------------------------------------------------------------
@@ -172,3 +206,43 @@ class CloseStream:
 
 
 StreamerInbox = OpenStream | StepTokens | CloseStream
+
+
+# --- http -> embedder worker ------------------------------------------------------------------
+
+# A text, or token ids passed to the model as they are.
+EmbedInput = str | tuple[int, ...]
+
+
+@attrs.frozen
+class EmbedTexts:
+    """Inputs to embed: one pooled vector each, answered in request order."""
+
+    request_id: str
+    inputs: tuple[EmbedInput, ...]
+    reply: EmbedReply
+
+
+@attrs.frozen
+class ScorePairs:
+    """A query against documents on a cross-encoder: one relevance score per document."""
+
+    request_id: str
+    query: str
+    documents: tuple[str, ...]
+    reply: EmbedReply
+
+
+EmbedderInbox = EmbedTexts | ScorePairs
+
+
+# --- embedder worker -> http ------------------------------------------------------------------
+
+
+@attrs.frozen
+class Embedded:
+    """One job's outcome: a numpy array of rows in request order, and real tokens per row."""
+
+    # [n, dim] float32 vectors, or [n] scores in [0, 1] for a cross-encoder.
+    values: object = attrs.field(eq=False)
+    token_counts: tuple[int, ...]

@@ -45,6 +45,12 @@ class Settings:
     cors_origins: tuple[str, ...] = ("*",)
     # Seconds an idle connection is kept open (keep-alive).
     timeout: float = 600.0
+    # Prompt (prefix) cache budget in MiB; 0 turns the cache off.
+    cache_ram_mib: int = 8192
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.cache_ram_mib > 0
 
     @property
     def unix_socket(self) -> str | None:

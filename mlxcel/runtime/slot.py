@@ -75,6 +75,7 @@ class OutputSlot:
         self._error: MlxcelError | None = None
         self._delivered_finish = False
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.completion_tokens = 0
         self.cancelled = False
 

@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.sampling import make_sampler
 from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
@@ -51,6 +52,8 @@ class MlxBackend:
         self._no_stop = StopSequences()
         self._rid_by_uid: dict[int, str] = {}
         self._uid_by_rid: dict[str, int] = {}
+        self._cache_key: dict[str, str] = {}
+        self._cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_enabled else None
 
     def warmup(self) -> float:
         """Run one tiny generation so the first request pays no first-call costs."""
@@ -67,23 +70,19 @@ class MlxBackend:
         return time.perf_counter() - tic
 
     def apply(self, plan: StepPlan) -> StepOutput:
+        if plan.reset_cache and self._cache is not None:
+            self._cache.reset()
         if plan.removes:
             uids = [self._uid_by_rid.pop(rid) for rid in plan.removes if rid in self._uid_by_rid]
+            for rid in plan.removes:
+                self._cache_key.pop(rid, None)
             for uid in uids:
                 self._rid_by_uid.pop(uid, None)
             self._gen.remove(uids)
-        if plan.inserts:
-            uids = self._gen.insert(
-                [list(s.prompt_tokens) for s in plan.inserts],
-                max_tokens=[s.max_tokens for s in plan.inserts],
-                samplers=[make_sampler(s.sampling) for s in plan.inserts],
-                stop_sequences=[self._no_stop if s.ignore_eos else self._eos_stop for s in plan.inserts],
-            )
-            for uid, seq in zip(uids, plan.inserts, strict=True):
-                self._rid_by_uid[uid] = seq.request_id
-                self._uid_by_rid[seq.request_id] = uid
+        cached = self._insert(plan.inserts) if plan.inserts else ()
+        stats = self._cache.stats() if self._cache is not None else None
         if not self._rid_by_uid:
-            return StepOutput()
+            return StepOutput(cached=cached, cache=stats)
 
         prompt_responses, generation_responses = self._gen.next()
         tokens = []
@@ -93,12 +92,40 @@ class MlxBackend:
             if r.finish_reason is not None:
                 del self._rid_by_uid[r.uid]
                 del self._uid_by_rid[rid]
+                key = self._cache_key.pop(rid, None)
+                if key is not None and self._cache is not None and r.prompt_cache is not None:
+                    self._cache.store(key, list(r.all_tokens or ()), r.prompt_cache)
         prefill = tuple(
             PrefillProgress(self._rid_by_uid[p.uid], int(p.progress[0]), int(p.progress[1]))
             for p in prompt_responses
             if p.uid in self._rid_by_uid
         )
-        return StepOutput(tokens=tuple(tokens), prefill=prefill)
+        return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=stats)
+
+    def _insert(self, inserts: tuple[InsertSequence, ...]) -> tuple[tuple[str, int], ...]:
+        prompts, caches, known, cached = [], [], [], []
+        for s in inserts:
+            prompt = list(s.prompt_tokens)
+            cache, n = None, 0
+            if self._cache is not None and s.cache_key is not None:
+                cache, n = self._cache.lookup(s.cache_key, prompt)
+                self._cache_key[s.request_id] = s.cache_key
+            prompts.append(prompt[n:])
+            caches.append(cache)
+            known.append(prompt[:n])
+            cached.append((s.request_id, n))
+        uids = self._gen.insert(
+            prompts,
+            max_tokens=[s.max_tokens for s in inserts],
+            caches=caches,
+            all_tokens=known,
+            samplers=[make_sampler(s.sampling) for s in inserts],
+            stop_sequences=[self._no_stop if s.ignore_eos else self._eos_stop for s in inserts],
+        )
+        for uid, seq in zip(uids, inserts, strict=True):
+            self._rid_by_uid[uid] = seq.request_id
+            self._uid_by_rid[seq.request_id] = uid
+        return tuple(cached)
 
     def close(self) -> None:
         """Last call on the compute thread: mlx's per-thread streams must not outlive it."""

@@ -62,6 +62,7 @@ def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
             max_tokens=item.max_tokens,
             sampling=item.request.sampling,
             ignore_eos=item.request.ignore_eos,
+            cache_key=item.request.cache_key,
         )
         for item in started
     )

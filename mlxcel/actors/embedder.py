@@ -1,0 +1,261 @@
+"""The embedder actor: one worker thread that owns an embedding or reranking model.
+
+Like the model runner, the thread is started once with
+``trio.to_thread.run_sync(..., abandon_on_cancel=False)``, builds the model there (every mlx
+object of it lives on that thread) and serves jobs until cancelled; it is never the generation
+thread, so a long embedding batch does not stall decoding.
+
+Each turn takes every job waiting in the bounded inbox, tokenises them, sorts all their items by
+length (so padding is small) and runs micro-batches of ``batch_size``. A job is answered as soon
+as its last item is computed; results are in request order. A handler that stops waiting (client
+gone, timeout) marks its job cancelled and the worker skips whatever of it has not run yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import attrs
+import trio
+
+from mlxcel.runtime.errors import InternalError, MlxcelError, ServerBusy, Timeout, Unavailable
+from mlxcel.runtime.messages import Embedded, EmbedderInbox, EmbedInput, EmbedTexts, ScorePairs
+
+log = logging.getLogger(__name__)
+
+EmbedderKind = Literal["encoder", "decoder", "classifier"]
+
+
+@attrs.frozen(kw_only=True)
+class EmbedderInfo:
+    """Facts about a loaded embedder or cross-encoder for the Trio side (no mlx objects)."""
+
+    model_id: str
+    path: Path | None
+    kind: EmbedderKind
+    # Vector width (embedders); cross-encoders report their hidden size.
+    dim: int
+    vocab_size: int
+    # Longest input in tokens; longer texts are truncated, longer token-id inputs refused.
+    max_length: int
+    pooling: str
+    # The sentence-transformers layout ends with a Normalize module.
+    normalize: bool = False
+    n_params: int = 0
+
+    @property
+    def is_reranker(self) -> bool:
+        return self.kind == "classifier"
+
+
+@attrs.frozen
+class Encoded:
+    """One tokenised item: ids, and segment ids for sentence pairs."""
+
+    ids: tuple[int, ...]
+    types: tuple[int, ...] | None = None
+
+
+class EmbeddingBackend(Protocol):
+    """Built and used only on the embedder's thread."""
+
+    info: EmbedderInfo
+
+    def encode_texts(self, inputs: Sequence[EmbedInput]) -> list[Encoded]: ...
+
+    def encode_pairs(self, query: str, documents: Sequence[str]) -> list[Encoded]: ...
+
+    def forward(self, batch: Sequence[Encoded]) -> Any:
+        """``[n, dim]`` float32 vectors, or ``[n]`` scores for a cross-encoder (numpy)."""
+        ...
+
+
+class EmbedReply:
+    """One job's answer box: the worker fills it, the handler waits on it."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._result: Embedded | None = None
+        self._error: MlxcelError | None = None
+        # Read by the worker thread between micro-batches (a plain bool: a stale read only
+        # costs one more micro-batch).
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Nobody waits any more: the worker drops what of this job has not run yet."""
+        self.cancelled = True
+
+    def set_result(self, result: Embedded) -> None:
+        self._result = result
+        self._done.set()
+
+    def set_error(self, error: MlxcelError) -> None:
+        self._error = error
+        self._done.set()
+
+    async def wait(self) -> Embedded:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+@attrs.define
+class _Job:
+    message: EmbedderInbox
+    items: list[Encoded]
+    rows: list[Any]
+    left: int
+
+
+class Embedder:
+    def __init__(
+        self,
+        build: Callable[[], EmbeddingBackend],
+        *,
+        batch_size: int = 16,
+        queue_depth: int = 8,
+        timeout: float = 120.0,
+    ) -> None:
+        self._build = build
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self._tx, self._rx = trio.open_memory_channel[EmbedderInbox](queue_depth)
+        self._ids = itertools.count()
+        self.info: EmbedderInfo | None = None
+
+    # -- the handler side -------------------------------------------------------------------
+
+    def _submit(self, make: Callable[[str, EmbedReply], EmbedderInbox]) -> EmbedReply:
+        if self.info is None:
+            raise Unavailable("Loading model")
+        reply = EmbedReply()
+        try:
+            self._tx.send_nowait(make(f"emb-{next(self._ids)}", reply))
+        except trio.WouldBlock:
+            raise ServerBusy() from None
+        return reply
+
+    async def _call(self, make: Callable[[str, EmbedReply], EmbedderInbox]) -> Embedded:
+        reply = self._submit(make)
+        try:
+            with trio.move_on_after(self.timeout):
+                return await reply.wait()
+            raise Timeout(f"The embedding worker did not answer within {self.timeout:g} s.")
+        finally:
+            reply.cancel()
+
+    async def embed(self, inputs: Sequence[EmbedInput]) -> Embedded:
+        """Vectors for ``inputs`` in order. ServerBusy when the queue is full, Timeout (504)
+        after ``timeout``; on cancellation the job is dropped before its next micro-batch."""
+        return await self._call(lambda rid, reply: EmbedTexts(rid, tuple(inputs), reply))
+
+    async def score(self, query: str, documents: Sequence[str]) -> Embedded:
+        """Cross-encoder scores in [0, 1] for each document, in order (same rules as embed)."""
+        return await self._call(lambda rid, reply: ScorePairs(rid, query, tuple(documents), reply))
+
+    # -- the actor ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[EmbedderInfo] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model on a fresh thread, report ready, then serve jobs until cancelled.
+
+        Cancellation reaches the thread at its next wait for a job; a micro-batch in progress
+        finishes first (mlx work cannot be interrupted).
+        """
+        await trio.to_thread.run_sync(self._thread_main, task_status, abandon_on_cancel=False)
+
+    def _started(self, task_status: trio.TaskStatus[EmbedderInfo], info: EmbedderInfo) -> None:
+        self.info = info
+        task_status.started(info)
+
+    def _thread_main(self, task_status: trio.TaskStatus[EmbedderInfo]) -> None:
+        try:
+            backend = self._build()
+            trio.from_thread.run_sync(self._started, task_status, backend.info)
+            while True:
+                try:
+                    first = trio.from_thread.run(self._rx.receive)
+                except trio.EndOfChannel:
+                    return
+                jobs = [first, *trio.from_thread.run_sync(self._drain)]
+                self._serve(backend, jobs)
+        finally:
+            from mlxcel.models.loader import release_thread_streams
+
+            release_thread_streams()
+
+    def _drain(self) -> list[EmbedderInbox]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._rx.receive_nowait())
+            except trio.WouldBlock:
+                return jobs
+
+    def _serve(self, backend: EmbeddingBackend, messages: list[EmbedderInbox]) -> None:
+        jobs: list[_Job] = []
+        for message in messages:
+            if message.reply.cancelled:
+                continue
+            try:
+                match message:
+                    case EmbedTexts(inputs=inputs):
+                        items = backend.encode_texts(inputs)
+                    case ScorePairs(query=query, documents=documents):
+                        items = backend.encode_pairs(query, documents)
+            except Exception as error:  # noqa: BLE001 - a bad input fails its own job only
+                log.exception("tokenising %s failed", message.request_id)
+                self._reply(message, error=InternalError(f"Tokenisation failed: {error}"))
+                continue
+            jobs.append(_Job(message, items, [None] * len(items), len(items)))
+            if not items:
+                self._finish(jobs[-1])
+        order = sorted(
+            ((len(item.ids), j, i) for j, job in enumerate(jobs) for i, item in enumerate(job.items)),
+        )
+        for start in range(0, len(order), self.batch_size):
+            chunk = [(j, i) for _, j, i in order[start : start + self.batch_size]]
+            chunk = [(j, i) for j, i in chunk if jobs[j].left > 0 and not jobs[j].message.reply.cancelled]
+            if not chunk:
+                continue
+            try:
+                values = backend.forward([jobs[j].items[i] for j, i in chunk])
+            except Exception as error:  # noqa: BLE001 - the batch's jobs fail, the worker lives
+                log.exception("embedding forward failed")
+                for j in {j for j, _ in chunk}:
+                    if jobs[j].left > 0:
+                        jobs[j].left = 0
+                        self._reply(jobs[j].message, error=InternalError(f"Forward failed: {error}"))
+                continue
+            for row, (j, i) in enumerate(chunk):
+                job = jobs[j]
+                job.rows[i] = values[row]
+                job.left -= 1
+                if job.left == 0:
+                    self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        import numpy as np
+
+        values = np.stack(job.rows) if job.rows else np.zeros((0,), dtype=np.float32)
+        if not bool(np.isfinite(values).all()):
+            self._reply(job.message, error=InternalError("The model produced non-finite output."))
+            return
+        counts = tuple(len(item.ids) for item in job.items)
+        self._reply(job.message, result=Embedded(values, counts))
+
+    def _reply(
+        self, message: EmbedderInbox, *, result: Embedded | None = None, error: MlxcelError | None = None
+    ) -> None:
+        reply = message.reply
+        if error is not None:
+            trio.from_thread.run_sync(reply.set_error, error)
+        else:
+            assert result is not None
+            trio.from_thread.run_sync(reply.set_result, result)
+

@@ -1,0 +1,61 @@
+"""The prompt (prefix) cache, on the compute thread: mlx-lm's LRUPromptCache plus counters.
+
+A finished sequence donates its KV cache, keyed by tenant and the tokens it holds; a new
+sequence whose prompt shares a prefix with a donated one starts from a copy of that cache and
+only prefills the rest. mlx-lm's trie finds the nearest entry and trims a longer one down to
+the shared prefix; its LRU bounds the bytes held.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from mlxcel.runtime.messages import CacheStats
+
+MAX_ENTRIES = 256
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=max_bytes)
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def lookup(self, key: str, prompt: list[int]) -> tuple[list[Any] | None, int]:
+        """A private copy of the nearest cache and how many prompt tokens it covers."""
+        cache, rest = self._lru.fetch_nearest_cache(key, prompt)
+        if cache is not None and not rest:
+            # An exact hit still needs one token to feed the model: step back by one.
+            if not can_trim_prompt_cache(cache):
+                cache, rest = None, prompt
+            else:
+                trim_prompt_cache(cache, 1)
+                rest = prompt[-1:]
+        if cache is None:
+            self.misses += 1
+            return None, 0
+        self.hits += 1
+        return cache, len(prompt) - len(rest)
+
+    def store(self, key: str, tokens: list[int], cache: list[Any]) -> None:
+        before = len(self._lru)
+        self._lru.insert_cache(key, tokens, cache)
+        # Entries that left besides the replaced prefix: LRU or byte-budget evictions.
+        self.evictions += max(0, before + 1 - len(self._lru))
+
+    def reset(self) -> None:
+        self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=self._max_bytes)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            entries=len(self._lru),
+            nbytes=int(self._lru.nbytes),
+            max_bytes=self._max_bytes,
+            hits=self.hits,
+            misses=self.misses,
+            evictions=self.evictions,
+        )
