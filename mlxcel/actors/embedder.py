@@ -46,6 +46,8 @@ class EmbedderInfo:
     # The sentence-transformers layout ends with a Normalize module.
     normalize: bool = False
     n_params: int = 0
+    # The transformers tokenizer (thread-safe encode/decode), for routes that tokenise.
+    tokenizer: Any = attrs.field(default=None, repr=False, eq=False)
 
     @property
     def is_reranker(self) -> bool:

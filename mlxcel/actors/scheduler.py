@@ -9,6 +9,7 @@ include the boundaries between prefill chunks.
 from __future__ import annotations
 
 import logging
+import time
 
 import attrs
 import trio
@@ -17,14 +18,16 @@ from mlxcel.actors.scheduling import policy
 from mlxcel.runtime.messages import (
     CacheStats,
     CloseStream,
+    OpenStream,
     ResetCache,
     SchedulerInbox,
-    OpenStream,
     StepOutput,
     StepPlan,
     StepTokens,
     StreamerInbox,
+    Tokenized,
 )
+from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.slot import AbortBox
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class Scheduler:
         outputs: trio.MemoryReceiveChannel[StepOutput],
         streamer: trio.MemorySendChannel[StreamerInbox],
         aborts: AbortBox,
+        metrics: Metrics | None = None,
     ) -> None:
         self._state = policy.SchedulerState(parallel=parallel)
         self._inbox = inbox
@@ -49,9 +53,14 @@ class Scheduler:
         self._outputs = outputs
         self._streamer = streamer
         self._aborts = aborts
+        self._metrics = metrics or Metrics()
         self._resets: list[trio.Event] = []
+        self._prefilled: dict[str, int] = {}
         self.steps = 0
+        self.tasks_started = 0
         self.cache_stats = CacheStats()
+
+    # --- read-only views for /slots, /metrics ---------------------------------------------
 
     @property
     def running(self) -> int:
@@ -60,6 +69,11 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         return len(self._state.waiting)
+
+    def slot_items(self) -> list[Tokenized | None]:
+        return [self._state.running.get(rid) if rid else None for rid in self._state.slots]
+
+    # --- the loop -------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Schedule until cancelled. Cancellation lands while waiting for work or for a step's
@@ -73,61 +87,85 @@ class Scheduler:
                     self._enqueue(self._inbox.receive_nowait())
                 except trio.WouldBlock:
                     break
-            aborted = self._aborts.drain()
-            decision = policy.plan(self._state, aborted)
-            if log.isEnabledFor(logging.DEBUG) and (aborted or decision.started or decision.dropped):
-                log.debug(
-                    "plan: start %s, remove %s, drop %s; %d running, %d waiting",
-                    [i.request.request_id for i in decision.started],
-                    decision.plan.removes,
-                    [i.request.request_id for i in decision.dropped],
-                    len(self._state.running),
-                    len(self._state.waiting),
-                )
-            for item in decision.dropped:
-                item.slot.reservation.release()
-            for rid in decision.plan.removes:
-                await self._streamer.send(CloseStream(rid, "abort"))
-            for item in decision.started:
-                item.slot.reservation.release()
-                await self._streamer.send(
-                    OpenStream(
-                        item.request.request_id,
-                        item.slot,
-                        item.request.stop,
-                        item.prompt_tokens[-_PROMPT_TAIL:],
-                    )
-                )
-            plan = decision.plan
+            plan = await self._decide()
             resets, self._resets = self._resets, []
             if resets:
                 plan = attrs.evolve(plan, reset_cache=True)
             if not self._state.running and not plan.removes and not resets:
                 continue
+            busy = len(self._state.running)
+            tic = time.perf_counter()
             await self._plans.send(plan)
             output = await self._outputs.receive()
             self.steps += 1
             for done in resets:
                 done.set()
-            if output.cache is not None:
-                self.cache_stats = output.cache
-            for rid, n in output.cached:
-                if (item := self._state.running.get(rid)) is not None:
-                    item.slot.cached_tokens = n
-            finished = policy.complete(self._state, output)
-            if finished and log.isEnabledFor(logging.DEBUG):
-                log.debug("finished %s", finished)
-            if output.tokens:
-                await self._streamer.send(StepTokens(output.tokens))
-            for rid, error in output.errors:
-                await self._streamer.send(CloseStream(rid, "error", error))
+            await self._after(output, busy, time.perf_counter() - tic)
 
     def _enqueue(self, msg: SchedulerInbox) -> None:
         if isinstance(msg, ResetCache):
             self._resets.append(msg.done)
-            return
-        item = msg
-        if item.slot.cancelled:
+        elif msg.slot.cancelled:
+            msg.slot.reservation.release()
+        else:
+            self._state.enqueue(msg)
+
+    async def _decide(self) -> StepPlan:
+        aborted = self._aborts.drain()
+        abandoned = sum(
+            1
+            for rid in aborted
+            if (item := self._state.running.get(rid)) is not None and item.slot.cancelled
+        )
+        decision = policy.plan(self._state, aborted)
+        self._metrics.aborts.inc(abandoned + len(decision.dropped))
+        if log.isEnabledFor(logging.DEBUG) and (aborted or decision.started):
+            log.debug(
+                "plan: start %s, remove %s, drop %s; %d running, %d waiting",
+                [i.request.request_id for i in decision.started],
+                decision.plan.removes,
+                [i.request.request_id for i in decision.dropped],
+                len(self._state.running),
+                len(self._state.waiting),
+            )
+        for item in decision.dropped:
             item.slot.reservation.release()
-            return
-        self._state.enqueue(item)
+        for rid in decision.plan.removes:
+            self._prefilled.pop(rid, None)
+            await self._streamer.send(CloseStream(rid, "abort"))
+        for item in decision.started:
+            self.tasks_started += 1
+            item.slot.started_at = time.monotonic()
+            item.slot.reservation.release()
+            await self._streamer.send(
+                OpenStream(
+                    item.request.request_id,
+                    item.slot,
+                    item.request.stop,
+                    item.prompt_tokens[-_PROMPT_TAIL:],
+                )
+            )
+        return decision.plan
+
+    async def _after(self, output: StepOutput, busy: int, seconds: float) -> None:
+        if output.cache is not None:
+            self.cache_stats = output.cache
+        for rid, n in output.cached:
+            if (item := self._state.running.get(rid)) is not None:
+                item.slot.cached_tokens = n
+        prefill = 0
+        for p in output.prefill:
+            prefill += p.done - self._prefilled.get(p.request_id, 0)
+            self._prefilled[p.request_id] = p.done
+        for t in output.tokens:
+            if t.finish_reason is not None:
+                self._prefilled.pop(t.request_id, None)
+        self._metrics.record_step(seconds=seconds, busy=busy, prefill=prefill, decoded=len(output.tokens))
+        finished = policy.complete(self._state, output)
+        if finished and log.isEnabledFor(logging.DEBUG):
+            log.debug("finished %s", finished)
+        if output.tokens:
+            await self._streamer.send(StepTokens(output.tokens))
+        for rid, error in output.errors:
+            self._prefilled.pop(rid, None)
+            await self._streamer.send(CloseStream(rid, "error", error))

@@ -7,6 +7,7 @@ through the AbortBox) and delivers finish reasons. It never blocks on a client: 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, assert_never
 
 import attrs
@@ -15,6 +16,7 @@ import trio
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
 from mlxcel.runtime.errors import InternalError
 from mlxcel.runtime.messages import CloseStream, OpenStream, StepTokens, StreamerInbox, TokenOut
+from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.slot import AbortBox, OutputSlot
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,7 @@ class _Stream:
     slot: OutputSlot
     detok: IncrementalDetokenizer
     stops: StopMatcher
+    last_token_at: float | None = None
 
 
 class Streamer:
@@ -34,7 +37,9 @@ class Streamer:
         eos_token_ids: frozenset[int],
         inbox: trio.MemoryReceiveChannel[StreamerInbox],
         aborts: AbortBox,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._metrics = metrics or Metrics()
         self._tokenizer = tokenizer
         self._eos = eos_token_ids
         self._inbox = inbox
@@ -60,6 +65,7 @@ class Streamer:
             case CloseStream(request_id, reason, error):
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
+                    self._metrics.requests.labels(reason).inc()
                     if error is not None:
                         stream.slot.fail(InternalError(error))
                     else:
@@ -71,6 +77,12 @@ class Streamer:
         stream = self._streams.get(t.request_id)
         if stream is None:
             return  # already finished by a stop string, or aborted
+        now = time.monotonic()
+        if stream.last_token_at is None:
+            self._metrics.ttft.observe(now - stream.slot.submitted_at)
+        else:
+            self._metrics.inter_token.observe(now - stream.last_token_at)
+        stream.last_token_at = now
         if t.finish_reason == "stop" and t.token in self._eos:
             text, n = stream.detok.flush(), 0
         else:
@@ -80,7 +92,8 @@ class Streamer:
         emit, matched = stream.stops.feed(text)
         if matched is not None:
             stream.slot.push(emit, n)
-            stream.slot.finish("stop")
+            stream.slot.finish("stop", stop_word=matched)
+            self._metrics.requests.labels("stop").inc()
             del self._streams[t.request_id]
             self._aborts.notify(t.request_id)
             return
@@ -88,6 +101,7 @@ class Streamer:
             emit += stream.stops.flush()
             stream.slot.push(emit, n)
             stream.slot.finish(t.finish_reason)
+            self._metrics.requests.labels(t.finish_reason).inc()
             del self._streams[t.request_id]
         else:
             stream.slot.push(emit, n)

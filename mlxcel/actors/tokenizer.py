@@ -13,7 +13,14 @@ from typing import Any, assert_never
 import trio
 
 from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
-from mlxcel.runtime.messages import ChatPrompt, GenerationRequest, Submit, TextPrompt, Tokenized
+from mlxcel.runtime.messages import (
+    ChatPrompt,
+    GenerationRequest,
+    Submit,
+    TextPrompt,
+    Tokenized,
+    TokensPrompt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +79,18 @@ class TokenizerActor:
                     raise InvalidRequest(f"The chat template could not render these messages: {error}") from error
             case TextPrompt(text=text):
                 return text
+            case TokensPrompt(tokens=tokens):
+                return str(self._tok.decode(list(tokens), skip_special_tokens=False))
             case _:
                 assert_never(prompt)
 
     def encode(self, request: GenerationRequest) -> list[int]:
+        if isinstance(request.prompt, TokensPrompt):
+            vocab = len(self._tok)
+            if any(not 0 <= t < vocab for t in request.prompt.tokens):
+                raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            if request.prompt.tokens:
+                return list(request.prompt.tokens)
         text = self.render(request)
         # A chat template writes its own BOS; raw text gets the tokenizer's special prefix.
         add_special = isinstance(request.prompt, TextPrompt)

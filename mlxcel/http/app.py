@@ -8,7 +8,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mlxcel.http import health, native, openai, security
+from mlxcel.http import completion, embeddings, health, native, openai, ops, security
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
@@ -22,7 +22,7 @@ def _family() -> Family:
     return "native" if request.blueprint in NATIVE_BLUEPRINTS else "openai"
 
 
-NATIVE_BLUEPRINTS = frozenset({"native", "health", "public_health"})
+NATIVE_BLUEPRINTS = frozenset({"native", "native_completion", "ops", "health", "public_health"})
 
 
 def create_app(ctx: ServerContext) -> QuartTrio:
@@ -40,7 +40,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         # The health routes stay reachable (and public) without the prefix too.
         app.register_blueprint(health.bp, name="public_health")
     app.register_blueprint(native.bp, url_prefix=prefix)
+    app.register_blueprint(ops.bp, url_prefix=prefix)
+    app.register_blueprint(completion.bp, url_prefix=prefix)
     app.register_blueprint(openai.bp, url_prefix=prefix)
+    app.register_blueprint(embeddings.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:

@@ -9,10 +9,12 @@ import trio
 from quart import current_app
 
 from mlxcel.actors.admission import Admission
+from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.runtime.messages import SchedulerInbox
+from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.errors import NotFound
 from mlxcel.runtime.settings import Settings
 
@@ -27,8 +29,14 @@ class ServerContext:
     # Read-only views (counts, cache stats) and the inbox for control messages.
     scheduler: Scheduler
     scheduler_tx: trio.MemorySendChannel[SchedulerInbox]
+    metrics: Metrics
     created: int = attrs.field(factory=lambda: int(time.time()))
     ready: bool = False
+    # Side models on their own worker threads (None when not loaded). With generation False
+    # (-m <embedder> or <cross-encoder>) no chat model runs: admission answers 501.
+    embedder: Embedder | None = None
+    reranker: Embedder | None = None
+    generation: bool = True
 
     @property
     def model_id(self) -> str:

@@ -14,10 +14,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import attrs
 from quart import Blueprint, Response, request
 
 from mlxcel.http import sse
+from mlxcel.actors.side_models import require_generation
 from mlxcel.http.context import ServerContext, server
+from mlxcel.http.embeddings import side_model_entries
 from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
@@ -50,7 +53,15 @@ def _usage(slot: OutputSlot, ctx: ServerContext) -> dict[str, Any]:
     return usage
 
 
-async def _start(ctx: ServerContext, gen: GenerationRequest) -> OutputSlot:
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+
+
+async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> OutputSlot:
+    """Submit (503 when the queue is full), then wait until the prompt is tokenized."""
+    lane = request.headers.get("X-Priority", "normal").strip().lower()
+    if lane not in PRIORITIES:
+        raise InvalidRequest("X-Priority must be high, normal or low", param="X-Priority")
+    gen = attrs.evolve(gen, priority=PRIORITIES[lane])
     slot = ctx.admission.submit(gen)
     try:
         await slot.wait_accepted()
@@ -117,9 +128,10 @@ def _stream(
 @bp.post("/chat/completions")
 async def chat_completions() -> Response:
     ctx = server()
+    require_generation(ctx.generation)
     body, gen = chat_request(await read_json())
     model = ctx.check_model(body.model)
-    slot = await _start(ctx, gen)
+    slot = await start_generation(ctx, gen)
     created = int(time.time())
     base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}
     if body.stream:
@@ -146,9 +158,10 @@ async def chat_completions() -> Response:
 @bp.post("/v1/completions")
 async def completions() -> Response:
     ctx = server()
+    require_generation(ctx.generation)
     body, gen = completion_request(await read_json())
     model = ctx.check_model(body.model)
-    slot = await _start(ctx, gen)
+    slot = await start_generation(ctx, gen)
     base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     if body.stream:
 
@@ -178,7 +191,12 @@ async def models() -> Response:
         "meta": {"n_ctx": ctx.info.context_length, "description": ctx.info.description},
     }
     ollama = {"name": ctx.model_id, "model": ctx.model_id, "capabilities": ["completion"]}
-    return _json({"object": "list", "data": [entry], "models": [ollama]})
+    entry["capabilities"] = ollama["capabilities"]
+    # Embedder / reranker entries follow; without a chat model only they are listed.
+    data, listed = ([entry], [ollama]) if ctx.generation else ([], [])
+    data += side_model_entries(ctx)
+    listed += [{"name": e["id"], "model": e["id"], "capabilities": e["capabilities"]} for e in data[len(listed):]]
+    return _json({"object": "list", "data": data, "models": listed})
 
 
 def _json(obj: object, status: int = 200) -> Response:

@@ -49,7 +49,14 @@ class TextPrompt:
     text: str
 
 
-Prompt = ChatPrompt | TextPrompt
+@attrs.frozen(kw_only=True)
+class TokensPrompt:
+    """Token ids given by the client (llama-server's native routes), used as they are."""
+
+    tokens: tuple[int, ...]
+
+
+Prompt = ChatPrompt | TextPrompt | TokensPrompt
 
 
 @attrs.frozen(kw_only=True)
@@ -67,6 +74,8 @@ class GenerationRequest:
     # Prompt-cache tenant; None keeps this request out of the cache (it neither reads nor
     # donates), as `cache_prompt: false` asks.
     cache_key: str | None = None
+    # Strict-priority lane from `X-Priority`: 0 high, 1 normal, 2 low.
+    priority: int = 1
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------

@@ -37,6 +37,18 @@ class Settings:
     cache_dir: Path = attrs.field(factory=default_cache_dir)
     # "mlx" in production; "fake" is the deterministic backend for unit tests and demos.
     backend: str = "mlx"
+    # Side models (embeddings / reranking), each on its own worker thread.
+    embedding_model: str | None = None
+    reranker_model: str | None = None
+    embedding_batch_size: int = 16
+    # Longest input in tokens; 0 = the model's own limit.
+    embedding_max_length: int = 0
+    embedding_queue_depth: int = 8
+    embedding_request_timeout_secs: float = 120.0
+    # llama-server's embd_normalize default: -1 none, 0 max-abs, 1 taxicab, 2 L2, p > 2 p-norm.
+    embd_normalize: int = 2
+    # Overrides the pooling read from 1_Pooling: cls, mean, max or lasttoken.
+    pooling: str | None = None
     # Accepted API keys; empty means no authentication. Never logged.
     api_keys: frozenset[str] = attrs.field(factory=frozenset, repr=False)
     # Every route is mounted under this prefix ("" = at the root).
@@ -47,6 +59,10 @@ class Settings:
     timeout: float = 600.0
     # Prompt (prefix) cache budget in MiB; 0 turns the cache off.
     cache_ram_mib: int = 8192
+    # llama-server's gates: /metrics off, /slots on, POST /props off by default.
+    metrics_endpoint: bool = False
+    slots_endpoint: bool = True
+    props_endpoint: bool = False
 
     @property
     def cache_enabled(self) -> bool:

@@ -12,6 +12,7 @@ id, never a global flag.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 import attrs
@@ -74,6 +75,13 @@ class OutputSlot:
         self._finish: FinishReason | None = None
         self._error: MlxcelError | None = None
         self._delivered_finish = False
+        self.submitted_at = time.monotonic()
+        # Set by the scheduler when the request gets a running place, and at its first token.
+        self.started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        # Set when a stop string (not an end-of-sequence token) ended the output.
+        self.stop_word: str | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -86,15 +94,19 @@ class OutputSlot:
         self._accepted.set()
 
     def push(self, text: str, n_tokens: int) -> None:
+        if self.first_token_at is None and n_tokens:
+            self.first_token_at = time.monotonic()
         if text:
             self._text.append(text)
         self._pending_tokens += n_tokens
         self.completion_tokens += n_tokens
         self._wake.set()
 
-    def finish(self, reason: FinishReason) -> None:
+    def finish(self, reason: FinishReason, stop_word: str | None = None) -> None:
         if self._finish is None:
             self._finish = reason
+            self.stop_word = stop_word
+            self.finished_at = time.monotonic()
         self._wake.set()
 
     def fail(self, error: MlxcelError) -> None:

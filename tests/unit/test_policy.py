@@ -85,3 +85,35 @@ def test_errors_in_a_step_end_those_sequences() -> None:
     policy.plan(state, ())
     assert policy.complete(state, StepOutput(errors=(("a", "boom"),))) == ("a",)
     assert state.idle
+
+
+def test_slots_are_numbered_lowest_free_first() -> None:
+    state = policy.SchedulerState(parallel=3)
+    for rid in "abcd":
+        state.enqueue(item(rid))
+    policy.plan(state, ())
+    assert state.slots == ["a", "b", "c"]
+    policy.plan(state, {"b"})  # b leaves, d takes its place
+    assert state.slots == ["a", "d", "c"]
+    policy.complete(state, StepOutput(tokens=(TokenOut("a", 1, "stop"),)))
+    assert state.slots == [None, "d", "c"]
+
+
+def test_priority_lanes_are_strict_and_fifo_within_a_lane() -> None:
+    import attrs
+
+    def prio(rid: str, p: int) -> Tokenized:
+        t = item(rid)
+        return attrs.evolve(t, request=attrs.evolve(t.request, priority=p))
+
+    state = policy.SchedulerState(parallel=1)
+    state.enqueue(prio("running", 1))
+    policy.plan(state, ())
+    for rid, p in [("low1", 2), ("norm1", 1), ("high1", 0), ("norm2", 1), ("high2", 0)]:
+        state.enqueue(prio(rid, p))
+    order = []
+    for _ in range(5):
+        rid = next(iter(state.running))
+        policy.complete(state, StepOutput(tokens=(TokenOut(rid, 1, "stop"),)))
+        order.append(policy.plan(state, ()).plan.inserts[0].request_id)
+    assert order == ["high1", "high2", "norm1", "norm2", "low1"]

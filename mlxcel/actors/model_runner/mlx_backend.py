@@ -13,6 +13,7 @@ from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.sampling import make_sampler
 from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
+    CacheStats,
     InsertSequence,
     PrefillProgress,
     SamplingParams,
@@ -80,9 +81,8 @@ class MlxBackend:
                 self._rid_by_uid.pop(uid, None)
             self._gen.remove(uids)
         cached = self._insert(plan.inserts) if plan.inserts else ()
-        stats = self._cache.stats() if self._cache is not None else None
         if not self._rid_by_uid:
-            return StepOutput(cached=cached, cache=stats)
+            return StepOutput(cached=cached, cache=self._stats())
 
         prompt_responses, generation_responses = self._gen.next()
         tokens = []
@@ -100,7 +100,10 @@ class MlxBackend:
             for p in prompt_responses
             if p.uid in self._rid_by_uid
         )
-        return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=stats)
+        return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=self._stats())
+
+    def _stats(self) -> CacheStats | None:
+        return self._cache.stats() if self._cache is not None else None
 
     def _insert(self, inserts: tuple[InsertSequence, ...]) -> tuple[tuple[str, int], ...]:
         prompts, caches, known, cached = [], [], [], []

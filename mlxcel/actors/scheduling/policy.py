@@ -21,6 +21,17 @@ class SchedulerState:
     parallel: int
     waiting: deque[Tokenized] = attrs.field(factory=deque)
     running: dict[str, Tokenized] = attrs.field(factory=dict)
+    # Slot positions as llama-server numbers them (/slots): the request id in each, or None.
+    slots: list[str | None] = attrs.field()
+
+    @slots.default
+    def _no_slots(self) -> list[str | None]:
+        return [None] * self.parallel
+
+    def _leave(self, rid: str) -> None:
+        self.running.pop(rid, None)
+        if rid in self.slots:
+            self.slots[self.slots.index(rid)] = None
 
     @property
     def idle(self) -> bool:
@@ -43,7 +54,7 @@ def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
     aborted = set(aborted)
     removes = tuple(rid for rid in aborted if rid in state.running)
     for rid in removes:
-        del state.running[rid]
+        state._leave(rid)
 
     dropped = tuple(item for item in state.waiting if item.request.request_id in aborted)
     if dropped:
@@ -51,8 +62,12 @@ def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
 
     started: list[Tokenized] = []
     while state.waiting and len(state.running) < state.parallel:
-        item = state.waiting.popleft()
+        # Strict priority between lanes, FIFO within a lane (no ageing, as llama-server).
+        best = min(range(len(state.waiting)), key=lambda i: state.waiting[i].request.priority)
+        item = state.waiting[best]
+        del state.waiting[best]
         state.running[item.request.request_id] = item
+        state.slots[state.slots.index(None)] = item.request.request_id
         started.append(item)
 
     inserts = tuple(
@@ -74,5 +89,5 @@ def complete(state: SchedulerState, output: StepOutput) -> tuple[str, ...]:
     finished = [t.request_id for t in output.tokens if t.finish_reason is not None]
     finished += [rid for rid, _ in output.errors]
     for rid in finished:
-        state.running.pop(rid, None)
+        state._leave(rid)
     return tuple(finished)

@@ -1,0 +1,120 @@
+"""Operations routes, llama-server style: /props, /slots, /metrics (each behind its flag)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from quart import Blueprint, Response, request
+
+from mlxcel import __version__
+from mlxcel.http.context import ServerContext, server
+from mlxcel.http.errors import error_response
+from mlxcel.runtime.errors import NotImplementedRoute, ServiceError
+
+bp = Blueprint("ops", __name__)
+
+
+class NotSupported(NotImplementedRoute):
+    error_type = "not_supported_error"
+
+
+def _gated(what: str, flag: str) -> Response:
+    return error_response(
+        NotSupported(f"This server does not support {what}. Start it with `{flag}`"), "native"
+    )
+
+
+def _json(obj: object) -> Response:
+    return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
+
+
+def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
+    return {
+        "n_predict": ctx.settings.n_predict,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "seed": -1,
+        "stop": [],
+        "ignore_eos": False,
+        "stream": False,
+        "cache_prompt": ctx.settings.cache_enabled,
+    }
+
+
+@bp.get("/props")
+async def props() -> Response:
+    ctx = server()
+    tok = ctx.info.tokenizer
+    return _json(
+        {
+            "default_generation_settings": {
+                "id": 0,
+                "n_ctx": ctx.info.context_length,
+                "params": generation_defaults(ctx),
+            },
+            "total_slots": ctx.settings.parallel,
+            "model_alias": ctx.model_id,
+            "model_path": str(ctx.info.path) if ctx.info.path else "",
+            "chat_template": ctx.info.chat_template or "",
+            "bos_token": getattr(tok, "bos_token", None) or "",
+            "eos_token": getattr(tok, "eos_token", None) or "",
+            "modalities": {"vision": False, "audio": False},
+            "build_info": f"mlxcel {__version__}",
+            "endpoint_slots": ctx.settings.slots_endpoint,
+            "endpoint_props": ctx.settings.props_endpoint,
+            "endpoint_metrics": ctx.settings.metrics_endpoint,
+            "is_sleeping": False,
+        }
+    )
+
+
+@bp.post("/props")
+async def set_props() -> Response:
+    if not server().settings.props_endpoint:
+        return _gated("changing props", "--props")
+    return _json({"success": True})
+
+
+@bp.get("/slots")
+async def slots() -> Response:
+    ctx = server()
+    if not ctx.settings.slots_endpoint:
+        return _gated("slots endpoint", "--slots")
+    items = ctx.scheduler.slot_items()
+    if request.args.get("fail_on_no_slot") in ("1", "true") and all(items):
+        return error_response(ServiceError("no slot available"), "native")
+    debug = bool(os.environ.get("LLAMA_SERVER_SLOTS_DEBUG"))
+    out = []
+    for i, item in enumerate(items):
+        entry: dict[str, Any] = {
+            "id": i,
+            "n_ctx": ctx.info.context_length,
+            "is_processing": item is not None,
+            "id_task": -1,
+            "params": generation_defaults(ctx),
+            "prompt": "",
+            "next_token": {"has_next_token": False, "n_remain": -1, "n_decoded": 0},
+        }
+        if item is not None:
+            entry["id_task"] = item.request.request_id
+            entry["n_prompt_tokens"] = len(item.prompt_tokens)
+            entry["n_prompt_tokens_cached"] = item.slot.cached_tokens
+            entry["next_token"] = {
+                "has_next_token": True,
+                "n_remain": item.max_tokens - item.slot.completion_tokens,
+                "n_decoded": item.slot.completion_tokens,
+            }
+            if debug:  # prompts are users' data: shown only when explicitly asked for
+                entry["prompt"] = ctx.tokenizer.render(item.request)
+        out.append(entry)
+    return _json(out)
+
+
+@bp.get("/metrics")
+async def metrics() -> Response:
+    ctx = server()
+    if not ctx.settings.metrics_endpoint:
+        return _gated("metrics endpoint", "--metrics")
+    return Response(ctx.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")

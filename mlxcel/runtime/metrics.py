@@ -1,0 +1,126 @@
+"""Prometheus metrics: llama-server's `llamacpp:` families first, then `mlxcel_` ones.
+
+Counters and histograms are updated where the events happen (the scheduler per step, the
+streamer per token); gauges and the prompt-cache counters are read from live state at scrape
+time, so a scrape never waits for the compute thread. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mlxcel.runtime.messages import CacheStats
+
+# llama-server exposes no `_created` series; scrapers comparing the two should see the same set.
+disable_created_metrics()
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+
+
+class _Live(Collector):
+    """Families computed at scrape time from callbacks into the running system."""
+
+    def __init__(self) -> None:
+        self.running: Callable[[], int] = lambda: 0
+        self.waiting: Callable[[], int] = lambda: 0
+        self.queued: Callable[[], int] = lambda: 0
+        self.cache: Callable[[], CacheStats] = CacheStats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield GaugeMetricFamily(
+            "llamacpp:requests_processing", "Number of requests processing.", value=self.running()
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:requests_deferred", "Number of requests deferred.", value=self.waiting()
+        )
+        yield GaugeMetricFamily(
+            "mlxcel_queue_depth", "Requests admitted and waiting for a slot.", value=self.queued()
+        )
+        yield GaugeMetricFamily(
+            "mlxcel_batch_size", "Sequences in the running batch.", value=self.running()
+        )
+        s = self.cache()
+        yield CounterMetricFamily("mlxcel_prompt_cache_hits", "Prompt-cache lookups that reused KV.", value=s.hits)
+        yield CounterMetricFamily("mlxcel_prompt_cache_misses", "Prompt-cache lookups that found nothing.", value=s.misses)
+        yield CounterMetricFamily("mlxcel_prompt_cache_evictions", "Prompt-cache entries evicted.", value=s.evictions)
+        yield GaugeMetricFamily("mlxcel_prompt_cache_bytes", "Bytes held by the prompt cache.", value=s.nbytes)
+        yield GaugeMetricFamily("mlxcel_prompt_cache_entries", "Entries in the prompt cache.", value=s.entries)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r)
+        self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt process time.", registry=r)
+        self.tokens_predicted = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed.", registry=r)
+        self.tokens_predicted_seconds = Counter(
+            "llamacpp:tokens_predicted_seconds", "Predict process time.", registry=r
+        )
+        self.n_decode = Counter("llamacpp:n_decode", "Total number of model steps (decode calls).", registry=r)
+        self.n_busy_slots_per_decode = Gauge(
+            "llamacpp:n_busy_slots_per_decode", "Average number of busy slots per step.", registry=r
+        )
+        self.prompt_tokens_seconds = Gauge(
+            "llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.", registry=r
+        )
+        self.predicted_tokens_seconds = Gauge(
+            "llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.", registry=r
+        )
+        self.live = _Live()
+        r.register(self.live)
+        self.steps = Counter("mlxcel_steps", "Model steps by kind.", ["kind"], registry=r)
+        self.prefill_tokens = Counter("mlxcel_prefill_tokens", "Prompt tokens prefilled (not from cache).", registry=r)
+        self.decode_tokens = Counter("mlxcel_decode_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("mlxcel_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
+        self.aborts = Counter("mlxcel_aborts", "Requests abandoned by their client before finishing.", registry=r)
+        self.ttft = Histogram(
+            "mlxcel_time_to_first_token_seconds", "Submit to first token.", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token = Histogram(
+            "mlxcel_inter_token_seconds", "Gap between a request's tokens.", buckets=_ITL_BUCKETS, registry=r
+        )
+        # Running sums behind the average gauges (prometheus counters are write-only).
+        self._steps = 0
+        self._busy = 0
+        self._prompt = [0, 0.0]
+        self._decode = [0, 0.0]
+
+    def record_step(self, *, seconds: float, busy: int, prefill: int, decoded: int) -> None:
+        """One model step: its wall time goes to prompt processing if it read prompt tokens."""
+        self.n_decode.inc()
+        self._steps += 1
+        self._busy += busy
+        self.n_busy_slots_per_decode.set(self._busy / self._steps)
+        if prefill:
+            self.steps.labels("prefill").inc()
+            self.prompt_tokens.inc(prefill)
+            self.prefill_tokens.inc(prefill)
+            self.prompt_seconds.inc(seconds)
+            self._prompt[0] += prefill
+            self._prompt[1] += seconds
+            self.prompt_tokens_seconds.set(self._prompt[0] / self._prompt[1])
+        else:
+            self.steps.labels("decode").inc()
+            self.tokens_predicted_seconds.inc(seconds)
+            self._decode[1] += seconds
+        if decoded:
+            self.tokens_predicted.inc(decoded)
+            self.decode_tokens.inc(decoded)
+            self._decode[0] += decoded
+            if self._decode[1]:
+                self.predicted_tokens_seconds.set(self._decode[0] / self._decode[1])
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

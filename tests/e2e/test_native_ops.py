@@ -1,0 +1,279 @@
+"""llama-server native routes and operations: shapes, gates, auth, CORS, UDS, limits."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ServerProcess
+
+CHAT = {"messages": [{"role": "user", "content": "Hello there"}]}
+
+
+def test_native_completion_shape(tiny_server: ServerProcess) -> None:
+    r = httpx.post(f"{tiny_server.base_url}/completion", json={"prompt": "Once upon", "n_predict": 6, "ignore_eos": True})
+    body = r.json()
+    assert r.status_code == 200
+    assert body["stop"] is True and body["stop_type"] == "limit" and body["stopping_word"] == ""
+    assert body["tokens_predicted"] == 6
+    assert body["tokens_evaluated"] > 0
+    assert isinstance(body["content"], str) and body["content"]
+    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"} <= set(body["timings"])
+    assert body["generation_settings"]["n_ctx"] == 4096
+
+
+def test_native_completion_stop_word_and_token_prompt(tiny_server: ServerProcess) -> None:
+    url = f"{tiny_server.base_url}/completion"
+    full = httpx.post(url, json={"prompt": [1, 2, 3], "n_predict": 20, "temperature": 0, "ignore_eos": True}).json()
+    word = full["content"][4:7]
+    cut = httpx.post(url, json={"prompt": [1, 2, 3], "n_predict": 20, "temperature": 0, "stop": [word]}).json()
+    assert cut["stop_type"] == "word" and cut["stopping_word"] == word
+    assert cut["content"] == full["content"][: full["content"].index(word)]
+
+
+def test_native_completions_without_v1_streams_native_frames(tiny_server: ServerProcess) -> None:
+    body = {"prompt": "Once upon", "n_predict": 4, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{tiny_server.base_url}/completions", json=body) as r:
+        frames = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert all(f["stop"] is False for f in frames[:-1])
+    assert frames[-1]["stop"] is True and frames[-1]["tokens_predicted"] == 4
+    assert "timings" in frames[-1]
+    assert not any(line == "[DONE]" for line in [])  # no [DONE] sentinel: every frame is JSON
+
+
+def test_tokenize_detokenize_round_trip(tiny_server: ServerProcess) -> None:
+    base = tiny_server.base_url
+    text = "Hi 🎉 <|im_start|>"
+    ids = httpx.post(f"{base}/tokenize", json={"content": text}).json()["tokens"]
+    assert 1 in ids  # <|im_start|> parsed as the special token by default
+    literal = httpx.post(f"{base}/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+    assert 1 not in literal
+    pieces = httpx.post(f"{base}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+    assert any(isinstance(p["piece"], list) for p in pieces), "emoji bytes split across tokens come back as byte lists"
+    raw = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert raw.decode() == text
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json() == {"content": text}
+    assert httpx.post(f"{base}/tokenize", json={}).json() == {"tokens": []}
+    assert httpx.post(f"{base}/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+def test_apply_template_and_input_tokens_match_generation(tiny_server: ServerProcess) -> None:
+    base = tiny_server.base_url
+    prompt = httpx.post(f"{base}/apply-template", json=CHAT).json()["prompt"]
+    assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")
+    n = httpx.post(f"{base}/v1/chat/completions/input_tokens", json=CHAT).json()["input_tokens"]
+    usage = httpx.post(f"{base}/v1/chat/completions", json={**CHAT, "max_tokens": 1}).json()["usage"]
+    assert n == usage["prompt_tokens"]
+
+
+def test_infill_without_fim_tokens_is_501(tiny_server: ServerProcess) -> None:
+    r = httpx.post(f"{tiny_server.base_url}/infill", json={"input_prefix": "def f(", "input_suffix": "x"})
+    assert r.status_code == 501
+    assert r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_props_and_gates(tiny_server: ServerProcess, tiny_model_dir: Path) -> None:
+    props = httpx.get(f"{tiny_server.base_url}/props").json()
+    assert props["total_slots"] == 4
+    assert props["model_alias"] == tiny_model_dir.name
+    assert props["model_path"] == str(tiny_model_dir)
+    assert "<|im_start|>" in props["chat_template"]
+    assert props["modalities"] == {"vision": False, "audio": False}
+    assert props["default_generation_settings"]["n_ctx"] == 4096
+    assert props["build_info"].startswith("mlxcel")
+    for method, path, flag in (("POST", "/props", "--props"), ("GET", "/metrics", "--metrics")):
+        r = httpx.request(method, f"{tiny_server.base_url}{path}")
+        assert r.status_code == 501
+        error = r.json()["error"]
+        assert set(error) == {"code", "message", "type"} and flag in error["message"]
+
+
+def test_slots_busy_during_a_stream_and_idle_after_disconnect(tiny_server: ServerProcess) -> None:
+    base = tiny_server.base_url
+    body = {**CHAT, "max_tokens": 5000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+        slots = httpx.get(f"{base}/slots").json()
+        busy = [s for s in slots if s["is_processing"]]
+        assert len(slots) == 4 and len(busy) == 1
+        assert busy[0]["next_token"]["n_decoded"] >= 0 and busy[0]["prompt"] == ""
+    deadline = time.monotonic() + 5
+    while any(s["is_processing"] for s in httpx.get(f"{base}/slots").json()):
+        assert time.monotonic() < deadline, "the slot stayed busy after the client left"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def ops_server(tiny_model_dir: Path) -> Any:
+    server = ServerProcess(
+        ["-m", str(tiny_model_dir), "--metrics", "--parallel", "1", "--no-slots", "--props",
+         "--api-key", "k1,k2", "--api-key", "k3", "--no-warmup"]
+    )
+    yield server
+    server.stop()
+
+
+def auth(key: str = "k1") -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_metrics_after_known_traffic(ops_server: ServerProcess) -> None:
+    base = ops_server.base_url
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{base}/metrics", headers=auth()).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+                out[key] = s.value
+        return out
+
+    before = scrape()
+    for _ in range(2):
+        httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 7, "ignore_eos": True}, headers=auth())
+    after = scrape()
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 14
+    assert after["llamacpp:prompt_tokens_total"] > before["llamacpp:prompt_tokens_total"]
+    assert after['mlxcel_requests_total{"finish_reason": "length"}'] - before.get('mlxcel_requests_total{"finish_reason": "length"}', 0) == 2
+    assert after["mlxcel_time_to_first_token_seconds_count"] - before.get("mlxcel_time_to_first_token_seconds_count", 0) == 2
+    assert after["llamacpp:requests_processing"] == 0
+    assert "mlxcel_prompt_cache_misses_total" in after
+    tic = time.perf_counter()
+    httpx.get(f"{base}/metrics", headers=auth())
+    assert time.perf_counter() - tic < 1.0
+
+
+def test_gated_slots_and_open_props(ops_server: ServerProcess) -> None:
+    r = httpx.get(f"{ops_server.base_url}/slots", headers=auth())
+    assert r.status_code == 501 and "--slots" in r.json()["error"]["message"]
+    assert httpx.post(f"{ops_server.base_url}/props", headers=auth(), json={}).json() == {"success": True}
+
+
+def _routes() -> list[tuple[str, str]]:
+    """Every route of the real app, enumerated from its URL map."""
+    from mlxcel.http.app import create_app
+    from mlxcel.http.context import ServerContext
+    from mlxcel.runtime.settings import Settings
+
+    ctx: Any = ServerContext.__new__(ServerContext)
+    object.__setattr__(ctx, "settings", Settings())
+    app = create_app(ctx)
+    out = []
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            out.append((method, rule.rule.replace("<id>", "x")))
+    return sorted(set(out))
+
+
+PUBLIC = {"/", "/health", "/v1/health"}
+
+
+def test_every_non_public_route_needs_a_key(ops_server: ServerProcess) -> None:
+    routes = _routes()
+    assert len(routes) > 15
+    base = ops_server.base_url
+    for method, path in routes:
+        # A tiny generation budget: routes that generate from an empty prompt stop at once.
+        kw: dict[str, Any] = {"json": {"n_predict": 1}} if method == "POST" else {}
+        missing = httpx.request(method, base + path, **kw)
+        if path in PUBLIC:
+            assert missing.status_code == 200, path
+            continue
+        wrong = httpx.request(method, base + path, headers=auth("nope"), **kw)
+        for r in (missing, wrong):
+            assert r.status_code == 401, (method, path, r.status_code)
+            assert r.json() == {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
+        for headers in (auth("k2"), {"X-Api-Key": "k3"}):
+            ok = httpx.request(method, base + path, headers=headers, **kw)
+            assert ok.status_code != 401, (method, path)
+
+
+def test_cors_preflight_is_answered_before_auth(ops_server: ServerProcess) -> None:
+    r = httpx.options(
+        f"{ops_server.base_url}/v1/chat/completions",
+        headers={"Origin": "http://example.test", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"},
+    )
+    assert r.status_code == 204
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "Authorization" in r.headers["access-control-allow-headers"]
+    get = httpx.get(f"{ops_server.base_url}/v1/models", headers={**auth(), "Origin": "http://example.test"})
+    assert get.headers["access-control-allow-origin"] == "*"
+
+
+def test_sdk_with_and_without_key(ops_server: ServerProcess) -> None:
+    good = openai.OpenAI(base_url=f"{ops_server.base_url}/v1", api_key="k3", max_retries=0)
+    assert good.models.list().data
+    bad = openai.OpenAI(base_url=f"{ops_server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_body_over_2_mib_is_413_in_the_openai_envelope(tiny_server: ServerProcess) -> None:
+    big = {"messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024 + 10)}]}
+    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=big)
+    assert r.status_code == 413
+    assert set(r.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_bad_priority_header_is_400(tiny_server: ServerProcess) -> None:
+    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}, headers={"X-Priority": "urgent"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority"
+    ok = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}, headers={"X-Priority": "high"})
+    assert ok.status_code == 200
+
+
+def test_unix_socket_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    sock = tmp_path / "mlxcel.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_model_dir), "--host", str(sock), "--port", "0", "--no-warmup"])
+    try:
+        transport = httpx.HTTPTransport(uds=str(sock))
+        client = httpx.Client(transport=transport, base_url="http://localhost")
+        deadline = time.monotonic() + 120
+        # The socket appears only once the model is loaded and the listener is up. (Polling with
+        # connects before that leaks sockets inside httpcore on failed UDS connects.)
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        time.sleep(0.2)
+        assert client.get("/health").status_code == 200
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        sdk = openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
+                            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))))
+        r = sdk.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r.choices[0].message.content is not None
+        sdk.close()
+        client.close()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    assert not sock.exists(), "the socket file must be removed on exit"
+
+
+def test_api_prefix(tiny_model_dir: Path) -> None:
+    server = ServerProcess(["-m", str(tiny_model_dir), "--api-prefix", "/api", "--no-warmup"])
+    try:
+        assert httpx.get(f"{server.base_url}/api/v1/models").status_code == 200
+        assert httpx.get(f"{server.base_url}/api/health").status_code == 200
+        assert httpx.get(f"{server.base_url}/v1/models").status_code == 404
+    finally:
+        server.stop()
