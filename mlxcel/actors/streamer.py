@@ -17,7 +17,7 @@ from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
 from mlxcel.runtime.errors import InternalError
 from mlxcel.runtime.messages import CloseStream, OpenStream, StepTokens, StreamerInbox, TokenOut
 from mlxcel.runtime.metrics import Metrics
-from mlxcel.runtime.slot import AbortBox, OutputSlot
+from mlxcel.runtime.slot import AbortBox, OutputSlot, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +83,18 @@ class Streamer:
         else:
             self._metrics.inter_token.observe(now - stream.last_token_at)
         stream.last_token_at = now
+        lp = None
         if t.finish_reason == "stop" and t.token in self._eos:
             text, n = stream.detok.flush(), 0
         else:
             text, n = stream.detok.add(t.token), 1
             if t.finish_reason is not None:
                 text += stream.detok.flush()
+            if t.logprob is not None:
+                lp = TokenLogprob(t.token, t.logprob, t.top_logprobs)
         emit, matched = stream.stops.feed(text)
         if matched is not None:
-            stream.slot.push(emit, n)
+            stream.slot.push(emit, n, lp)
             stream.slot.finish("stop", stop_word=matched)
             self._metrics.requests.labels("stop").inc()
             del self._streams[t.request_id]
@@ -99,9 +102,9 @@ class Streamer:
             return
         if t.finish_reason is not None:
             emit += stream.stops.flush()
-            stream.slot.push(emit, n)
+            stream.slot.push(emit, n, lp)
             stream.slot.finish(t.finish_reason)
             self._metrics.requests.labels(t.finish_reason).inc()
             del self._streams[t.request_id]
         else:
-            stream.slot.push(emit, n)
+            stream.slot.push(emit, n, lp)

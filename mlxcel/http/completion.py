@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response
 
-from mlxcel.http import sse
+from mlxcel.http import logprobs, sse
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import read_json, start_generation
@@ -29,7 +29,7 @@ from mlxcel.runtime.messages import (
     TextPrompt,
     TokensPrompt,
 )
-from mlxcel.runtime.slot import OutputSlot
+from mlxcel.runtime.slot import OutputSlot, TokenLogprob
 
 bp = Blueprint("native_completion", __name__)
 
@@ -76,8 +76,8 @@ def _prompt(value: Any) -> Prompt:
 
 
 def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
-    if body.n_probs:
-        raise InvalidRequest("n_probs is not supported by this server yet", param="n_probs")
+    if body.n_probs is not None and not 0 <= body.n_probs <= 20:
+        raise InvalidRequest("n_probs must be between 0 and 20", param="n_probs")
     if body.id_slot not in (None, -1):
         raise InvalidRequest("choosing a slot is not supported; use id_slot -1", param="id_slot")
     if body.seed is not None and body.seed < -1:
@@ -96,6 +96,7 @@ def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
         stop=tuple(body.stop or ()),
         ignore_eos=bool(body.ignore_eos),
         cache_key=None if body.cache_prompt is False else "",
+        logprobs=body.n_probs if body.n_probs else None,
     )
 
 
@@ -147,15 +148,19 @@ async def _run(body: NativeCompletionBody, prompt: Prompt) -> Response:
         return _stream(ctx, slot)
     try:
         parts = []
+        lps: list[TokenLogprob] = []
         while True:
             update = await slot.next()
             assert update is not None
             parts.append(update.text)
+            lps.extend(update.logprobs)
             if update.finish_reason is not None:
                 break
     finally:
         slot.cancel()
     obj = final_object(ctx, slot, "".join(parts), update.finish_reason)
+    if gen.logprobs is not None:
+        obj["completion_probabilities"] = logprobs.native(ctx.info.tokenizer, lps)
     return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
 
 
@@ -173,18 +178,19 @@ def _stream(ctx: ServerContext, slot: OutputSlot) -> Response:
                 if update is None:
                     yield sse.KEEPALIVE
                     continue
-                if update.text:
-                    yield sse.data(
-                        {
-                            "index": 0,
-                            "content": update.text,
-                            "tokens": [],
-                            "stop": False,
-                            "id_slot": -1,
-                            "tokens_predicted": slot.completion_tokens,
-                            "tokens_evaluated": slot.prompt_tokens,
-                        }
-                    )
+                if update.text or update.logprobs:
+                    frame = {
+                        "index": 0,
+                        "content": update.text,
+                        "tokens": [],
+                        "stop": False,
+                        "id_slot": -1,
+                        "tokens_predicted": slot.completion_tokens,
+                        "tokens_evaluated": slot.prompt_tokens,
+                    }
+                    if update.logprobs:
+                        frame["completion_probabilities"] = logprobs.native(ctx.info.tokenizer, update.logprobs)
+                    yield sse.data(frame)
                 if update.finish_reason is not None:
                     yield sse.data(final_object(ctx, slot, "", update.finish_reason))
                     return

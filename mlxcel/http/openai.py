@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
-from mlxcel.http import sse
+from mlxcel.http import logprobs, sse
 from mlxcel.actors.side_models import require_generation
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import side_model_entries
@@ -25,12 +25,13 @@ from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import GenerationRequest
-from mlxcel.runtime.slot import OutputSlot
+from mlxcel.runtime.slot import OutputSlot, TokenLogprob
 
 bp = Blueprint("openai", __name__)
 
-# Builds one streamed choice: (text delta or None for the finish chunk, finish_reason).
-ChoiceFn = Callable[[str | None, str | None], dict[str, Any]]
+# Builds one streamed choice from a text delta (None for the finish chunk), the finish reason,
+# and the log-probabilities of the tokens behind that delta.
+ChoiceFn = Callable[[str | None, str | None, tuple[TokenLogprob, ...]], dict[str, Any]]
 
 
 async def read_json() -> Any:
@@ -71,15 +72,17 @@ async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> Output
     return slot
 
 
-async def _collect(slot: OutputSlot) -> tuple[str, str]:
+async def _collect(slot: OutputSlot) -> tuple[str, str, tuple[TokenLogprob, ...]]:
     try:
-        parts = []
+        parts: list[str] = []
+        lps: list[TokenLogprob] = []
         while True:
             update = await slot.next()
             assert update is not None  # no timeout given
             parts.append(update.text)
+            lps.extend(update.logprobs)
             if update.finish_reason is not None:
-                return "".join(parts), update.finish_reason
+                return "".join(parts), update.finish_reason, tuple(lps)
     finally:
         slot.cancel()
 
@@ -110,10 +113,10 @@ def _stream(
                 if update is None:
                     yield sse.KEEPALIVE
                     continue
-                if update.text:
-                    yield chunk([choice(update.text, None)])
+                if update.text or update.logprobs:
+                    yield chunk([choice(update.text, None, update.logprobs)])
                 if update.finish_reason is not None:
-                    yield chunk([choice(None, update.finish_reason)])
+                    yield chunk([choice(None, update.finish_reason, ())])
                     break
             if options is not None and options.include_usage:
                 yield chunk([], usage=_usage(slot, ctx))
@@ -134,22 +137,26 @@ async def chat_completions() -> Response:
     slot = await start_generation(ctx, gen)
     created = int(time.time())
     base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}
+    tok = ctx.info.tokenizer
+    wants_logprobs = gen.logprobs is not None
     if body.stream:
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
 
-        def choice(text: str | None, finish: str | None) -> dict[str, Any]:
+        def choice(text: str | None, finish: str | None, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
             delta = {} if text is None else {"content": text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            scores = logprobs.chat(tok, lps) if wants_logprobs and text is not None else None
+            return {"index": 0, "delta": delta, "logprobs": scores, "finish_reason": finish}
 
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return _stream(ctx, slot, base, choice, first, body.stream_options)
-    text, finish = await _collect(slot)
+    text, finish, lps = await _collect(slot)
     message = {"role": "assistant", "content": text}
+    scores = logprobs.chat(tok, lps) if wants_logprobs else None
     return _json(
         {
             **base,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": scores, "finish_reason": finish}],
             "usage": _usage(slot, ctx),
         }
     )
@@ -163,17 +170,24 @@ async def completions() -> Response:
     model = ctx.check_model(body.model)
     slot = await start_generation(ctx, gen)
     base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    tok = ctx.info.tokenizer
+    wants_logprobs = gen.logprobs is not None
     if body.stream:
+        emitted = 0
 
-        def choice(text: str | None, finish: str | None) -> dict[str, Any]:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        def choice(text: str | None, finish: str | None, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+            nonlocal emitted
+            scores = logprobs.legacy(tok, lps, emitted) if wants_logprobs and text is not None else None
+            emitted += len(text or "")
+            return {"index": 0, "text": text or "", "logprobs": scores, "finish_reason": finish}
 
         return _stream(ctx, slot, base, choice, None, body.stream_options)
-    text, finish = await _collect(slot)
+    text, finish, lps = await _collect(slot)
+    legacy_scores = logprobs.legacy(tok, lps) if wants_logprobs else None
     return _json(
         {
             **base,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": legacy_scores, "finish_reason": finish}],
             "usage": _usage(slot, ctx),
         }
     )

@@ -47,6 +47,8 @@ class ChatCompletionBody:
     ignore_eos: bool | None = None
     cache_prompt: bool | None = None
     prompt_cache_key: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +67,7 @@ class CompletionBody:
     ignore_eos: bool | None = None
     cache_prompt: bool | None = None
     prompt_cache_key: str | None = None
+    logprobs: int | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -159,8 +162,18 @@ def chat_request(data: Any) -> tuple[ChatCompletionBody, GenerationRequest]:
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),
         cache_key=cache_key(body),
+        logprobs=_chat_logprobs(body),
     )
     return body, request
+
+
+def _chat_logprobs(body: ChatCompletionBody) -> int | None:
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= 20:
+            raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _prompt(value: Any) -> Prompt:
@@ -184,5 +197,8 @@ def completion_request(data: Any) -> tuple[CompletionBody, GenerationRequest]:
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),
         cache_key=cache_key(body),
+        logprobs=body.logprobs,
     )
+    if body.logprobs is not None and not 0 <= body.logprobs <= 5:
+        raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")
     return body, request

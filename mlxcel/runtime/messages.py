@@ -76,6 +76,8 @@ class GenerationRequest:
     cache_key: str | None = None
     # Strict-priority lane from `X-Priority`: 0 high, 1 normal, 2 low.
     priority: int = 1
+    # None: no log-probabilities; k >= 0: the sampled token's and the k most likely ones.
+    logprobs: int | None = None
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -116,6 +118,7 @@ class InsertSequence:
     sampling: SamplingParams
     ignore_eos: bool = False
     cache_key: str | None = None
+    logprobs: int | None = None
 
 
 @attrs.frozen
@@ -148,6 +151,10 @@ class TokenOut:
     token: int
     # "stop" means an end-of-sequence token (which is not text); "length" the token cap.
     finish_reason: FinishReason | None
+    # Only for sequences that asked: the sampled token's log-probability and the top-k
+    # alternatives as (token id, logprob), most likely first.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen

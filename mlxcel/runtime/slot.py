@@ -48,12 +48,22 @@ class Reservation:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """One output token's log-probability and its most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@attrs.frozen
 class SlotUpdate:
     """Everything that arrived since the last read, merged."""
 
     text: str
     n_tokens: int
     finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class OutputSlot:
@@ -71,6 +81,7 @@ class OutputSlot:
         self._wake = trio.Event()
         self._accepted = trio.Event()
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
         self._pending_tokens = 0
         self._finish: FinishReason | None = None
         self._error: MlxcelError | None = None
@@ -93,11 +104,13 @@ class OutputSlot:
         self.prompt_tokens = prompt_tokens
         self._accepted.set()
 
-    def push(self, text: str, n_tokens: int) -> None:
+    def push(self, text: str, n_tokens: int, logprob: TokenLogprob | None = None) -> None:
         if self.first_token_at is None and n_tokens:
             self.first_token_at = time.monotonic()
         if text:
             self._text.append(text)
+        if logprob is not None:
+            self._logprobs.append(logprob)
         self._pending_tokens += n_tokens
         self.completion_tokens += n_tokens
         self._wake.set()
@@ -146,8 +159,11 @@ class OutputSlot:
         self._wake = trio.Event()
         if self._error is not None:
             raise self._error
-        update = SlotUpdate("".join(self._text), self._pending_tokens, self._finish)
+        update = SlotUpdate(
+            "".join(self._text), self._pending_tokens, self._finish, tuple(self._logprobs)
+        )
         self._text.clear()
+        self._logprobs.clear()
         self._pending_tokens = 0
         if self._finish is not None:
             self._delivered_finish = True

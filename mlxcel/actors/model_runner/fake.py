@@ -23,6 +23,7 @@ class _Seq:
     prompt_len: int
     max_tokens: int
     ignore_eos: bool = False
+    logprobs: int | None = None
     prefilled: int = 0
     generated: int = 0
 
@@ -52,7 +53,7 @@ class FakeBackend:
             self._seqs.pop(rid, None)
         for ins in plan.inserts:
             self._seqs[ins.request_id] = _Seq(
-                ins.request_id, len(ins.prompt_tokens), ins.max_tokens, ins.ignore_eos
+                ins.request_id, len(ins.prompt_tokens), ins.max_tokens, ins.ignore_eos, ins.logprobs
             )
         if not self._seqs:
             return StepOutput()
@@ -73,7 +74,10 @@ class FakeBackend:
                 token = self._script[seq.generated % len(self._script)]
                 seq.generated += 1
                 reason = "length" if seq.generated >= seq.max_tokens else None
-                tokens.append(TokenOut(seq.request_id, token, reason))
+                # Deterministic scores: the sampled token is the most likely one.
+                top = tuple((token + i, -0.5 * (i + 1)) for i in range(seq.logprobs or 0))
+                lp = -0.5 if seq.logprobs is not None else None
+                tokens.append(TokenOut(seq.request_id, token, reason, lp, top))
             if tokens[-1].finish_reason is not None:
                 del self._seqs[seq.request_id]
         return StepOutput(tokens=tuple(tokens), prefill=tuple(prefill))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -54,6 +55,7 @@ class MlxBackend:
         self._rid_by_uid: dict[int, str] = {}
         self._uid_by_rid: dict[str, int] = {}
         self._cache_key: dict[str, str] = {}
+        self._logprobs: dict[str, int] = {}
         self._cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_enabled else None
 
     def warmup(self) -> float:
@@ -77,6 +79,7 @@ class MlxBackend:
             uids = [self._uid_by_rid.pop(rid) for rid in plan.removes if rid in self._uid_by_rid]
             for rid in plan.removes:
                 self._cache_key.pop(rid, None)
+                self._logprobs.pop(rid, None)
             for uid in uids:
                 self._rid_by_uid.pop(uid, None)
             self._gen.remove(uids)
@@ -85,11 +88,14 @@ class MlxBackend:
             return StepOutput(cached=cached, cache=self._stats())
 
         prompt_responses, generation_responses = self._gen.next()
+        scored = self._score(generation_responses) if self._logprobs else {}
         tokens = []
         for r in generation_responses:
             rid = self._rid_by_uid[r.uid]
-            tokens.append(TokenOut(rid, r.token, r.finish_reason))  # type: ignore[arg-type]
+            lp, top = scored.get(r.uid, (None, ()))
+            tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top))  # type: ignore[arg-type]
             if r.finish_reason is not None:
+                self._logprobs.pop(rid, None)
                 del self._rid_by_uid[r.uid]
                 del self._uid_by_rid[rid]
                 key = self._cache_key.pop(rid, None)
@@ -102,6 +108,29 @@ class MlxBackend:
         )
         return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=self._stats())
 
+    def _score(self, responses: list[Any]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+        """Log-probabilities for the rows that asked, in one evaluation for the whole step."""
+        rows = [(r, self._logprobs[rid]) for r in responses
+                if (rid := self._rid_by_uid.get(r.uid)) in self._logprobs]
+        if not rows:
+            return {}
+        dist = mx.stack([r.logprobs for r, _ in rows])
+        chosen = mx.take_along_axis(dist, mx.array([[r.token] for r, _ in rows]), axis=-1)
+        k = max(k for _, k in rows)
+        if k > 0:
+            top_ids = mx.argpartition(-dist, kth=k - 1, axis=-1)[:, :k]
+            top_vals = mx.take_along_axis(dist, top_ids, axis=-1)
+            mx.eval(chosen, top_ids, top_vals)
+            ids_list, vals_list = top_ids.tolist(), top_vals.tolist()
+        else:
+            mx.eval(chosen)
+            ids_list = vals_list = [[] for _ in rows]
+        out = {}
+        for (r, want), c, ids, vals in zip(rows, chosen.tolist(), ids_list, vals_list, strict=True):
+            top = sorted(zip(ids, vals, strict=True), key=lambda p: -p[1])[:want]
+            out[r.uid] = (float(c[0]), tuple((int(i), float(v)) for i, v in top))
+        return out
+
     def _stats(self) -> CacheStats | None:
         return self._cache.stats() if self._cache is not None else None
 
@@ -110,6 +139,8 @@ class MlxBackend:
         for s in inserts:
             prompt = list(s.prompt_tokens)
             cache, n = None, 0
+            if s.logprobs is not None:
+                self._logprobs[s.request_id] = s.logprobs
             if self._cache is not None and s.cache_key is not None:
                 cache, n = self._cache.lookup(s.cache_key, prompt)
                 self._cache_key[s.request_id] = s.cache_key

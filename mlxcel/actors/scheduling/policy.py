@@ -78,6 +78,7 @@ def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
             sampling=item.request.sampling,
             ignore_eos=item.request.ignore_eos,
             cache_key=item.request.cache_key,
+            logprobs=item.request.logprobs,
         )
         for item in started
     )

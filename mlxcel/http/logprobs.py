@@ -1,0 +1,72 @@
+"""Log-probabilities in each API's wire shape: OpenAI chat, OpenAI legacy, llama-server native.
+
+Every token comes with its exact bytes: a token can be a fragment of a UTF-8 character, and
+then its text is shown as `bytes:\\xNN...` as OpenAI does, while `bytes` carries the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlxcel.actors.token_bytes import token_bytes
+from mlxcel.runtime.slot import TokenLogprob
+
+
+def _text(data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def _piece(tok: Any, token_id: int) -> tuple[str, list[int]]:
+    data = token_bytes(tok, token_id)
+    return _text(data), list(data)
+
+
+def chat_content(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    out = []
+    for e in entries:
+        text, raw = _piece(tok, e.token)
+        top = []
+        for token_id, logprob in e.top:
+            t, b = _piece(tok, token_id)
+            top.append({"token": t, "logprob": logprob, "bytes": b})
+        out.append({"token": text, "logprob": e.logprob, "bytes": raw, "top_logprobs": top})
+    return out
+
+
+def chat(tok: Any, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    return {"content": chat_content(tok, entries), "refusal": None}
+
+
+def legacy(tok: Any, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy completions shape; ``offset`` is where these tokens' text starts."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for e in entries:
+        text, _ = _piece(tok, e.token)
+        tokens.append(text)
+        token_logprobs.append(e.logprob)
+        top_logprobs.append({_piece(tok, t)[0]: lp for t, lp in e.top})
+        text_offset.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
+
+
+def native(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """llama-server's `completion_probabilities` (n_probs)."""
+    out = []
+    for e in entries:
+        text, raw = _piece(tok, e.token)
+        top = []
+        for token_id, logprob in e.top:
+            t, b = _piece(tok, token_id)
+            top.append({"id": token_id, "token": t, "bytes": b, "logprob": logprob})
+        out.append({"id": e.token, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top})
+    return out
