@@ -100,6 +100,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-slots", dest="slots", action="store_false", help="turn /slots off")
     p.add_argument("--props", action="store_true", default=_env_bool("LLAMA_ARG_ENDPOINT_PROPS", False),
                    help="allow POST /props (env: LLAMA_ARG_ENDPOINT_PROPS)")
+    opt("--max-request-bytes", env="LLAMA_ARG_MAX_REQUEST_BYTES", type=int,
+        default=d.max_request_bytes, help="largest request body accepted (bigger: 413)")
     opt("-to", "--timeout", env="LLAMA_ARG_TIMEOUT", type=float, default=d.timeout,
         help="seconds an idle keep-alive connection stays open")
     opt("--embedding-model", env="LLAMA_ARG_EMBEDDING_MODEL", default=d.embedding_model,
@@ -147,6 +149,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--n-predict": args.n_predict >= -1,
         "--port": 0 <= args.port <= 65535,
         "--cache-ram": args.cache_ram >= 0,
+        "--max-request-bytes": args.max_request_bytes >= 1024,
         "--embedding-batch-size": args.embedding_batch_size >= 1,
         "--embedding-max-length": args.embedding_max_length >= 0,
         "--embedding-queue-depth": args.embedding_queue_depth >= 1,
@@ -177,6 +180,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
         timeout=args.timeout,
         cache_ram_mib=args.cache_ram,
+        max_request_bytes=args.max_request_bytes,
         metrics_endpoint=args.metrics,
         slots_endpoint=args.slots,
         props_endpoint=args.props,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from quart import Response, request
+from quart import Response, current_app, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -14,8 +14,6 @@ from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
 
 log = logging.getLogger(__name__)
-
-MAX_JSON_BYTES = 2 * 1024 * 1024
 
 
 def _family() -> Family:
@@ -32,7 +30,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     # them silently. Idle sockets are Hypercorn's business (keep-alive timeout).
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = None
-    app.config["MAX_CONTENT_LENGTH"] = MAX_JSON_BYTES
+    app.config["MAX_CONTENT_LENGTH"] = ctx.settings.max_request_bytes
     prefix = ctx.settings.api_prefix.rstrip("/") or None
     security.install(app, ctx.settings)
     app.register_blueprint(health.bp, url_prefix=prefix)
@@ -56,7 +54,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
         if code == 404:
             mapped = NotFound(f"Route {request.method} {request.path} not found")
         elif code == 413:
-            mapped = PayloadTooLarge(f"Request body larger than {MAX_JSON_BYTES} bytes")
+            limit = current_app.config["MAX_CONTENT_LENGTH"]
+            mapped = PayloadTooLarge(
+                f"Request body larger than {limit} bytes (see --max-request-bytes)"
+            )
         else:
             mapped = InvalidRequest(error.description or error.name)
             mapped.status = code

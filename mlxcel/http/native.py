@@ -12,6 +12,7 @@ import trio
 from quart import Blueprint, Response
 
 from mlxcel.actors.token_bytes import piece_for_json, token_bytes
+from mlxcel.actors.side_models import require_generation
 from mlxcel.http.context import server
 from mlxcel.http.openai import read_json
 from mlxcel.http.openai_wire import chat_request
@@ -109,7 +110,7 @@ async def cache_stats() -> Response:
     lookups = s.hits + s.misses
     return _json(
         {
-            "enabled": ctx.settings.cache_enabled,
+            "enabled": ctx.settings.cache_enabled and ctx.generation,
             "entries": s.entries,
             "bytes": s.nbytes,
             "max_bytes": ctx.settings.cache_ram_mib << 20 if ctx.settings.cache_enabled else 0,
@@ -124,6 +125,7 @@ async def cache_stats() -> Response:
 @bp.post("/v1/cache/reset")
 async def cache_reset() -> Response:
     ctx = server()
+    require_generation(ctx.generation)  # no chat model: no prompt cache, no compute thread
     done = trio.Event()
     await ctx.scheduler_tx.send(ResetCache(done))
     await done.wait()

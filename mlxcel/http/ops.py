@@ -10,6 +10,7 @@ from quart import Blueprint, Response, request
 
 from mlxcel import __version__
 from mlxcel.http.context import ServerContext, server
+from mlxcel.http.embeddings import capabilities_props
 from mlxcel.http.errors import error_response
 from mlxcel.runtime.errors import NotImplementedRoute, ServiceError
 
@@ -66,6 +67,9 @@ async def props() -> Response:
             "endpoint_props": ctx.settings.props_endpoint,
             "endpoint_metrics": ctx.settings.metrics_endpoint,
             "is_sleeping": False,
+            # Which kinds of model are served, and how /rerank scores (cross-encoder, or
+            # embedding cosine when only an embedder is loaded).
+            "capabilities": capabilities_props(ctx),
         }
     )
 

@@ -59,6 +59,8 @@ class Settings:
     timeout: float = 600.0
     # Prompt (prefix) cache budget in MiB; 0 turns the cache off.
     cache_ram_mib: int = 8192
+    # Largest JSON request body accepted; larger ones get 413.
+    max_request_bytes: int = 2 * 1024 * 1024
     # llama-server's gates: /metrics off, /slots on, POST /props off by default.
     metrics_endpoint: bool = False
     slots_endpoint: bool = True

@@ -202,10 +202,13 @@ async def test_a_long_embedding_batch_does_not_stall_a_chat_stream(side_server: 
             nursery.start_soon(embed)
             await trio.sleep(0.3)
             await chat()
-    assert embed_window[1] - embed_window[0] > 1.0  # the batch really overlapped the stream
+    batch_secs = embed_window[1] - embed_window[0]
+    assert batch_secs > 1.0  # the batch really overlapped the stream
     assert len(gaps) > 20, gaps
-    # On one thread the stream would wait for the whole batch; on its own thread it only shares CPU.
-    assert max(gaps) < 0.5, sorted(gaps)[-5:]
+    # Sharing one thread, the stream would stop for the whole batch (one gap >= batch_secs); on
+    # its own worker thread the stream only shares the CPU: gaps stay a small part of the batch
+    # even on a loaded 2-core machine.
+    assert max(gaps) < min(1.0, batch_secs / 3), (batch_secs, sorted(gaps)[-5:])
 
 
 def test_embedding_only_mode_serves_embeddings_and_cosine_rerank(embed_only: ServerProcess) -> None:

@@ -117,7 +117,7 @@ def test_slots_busy_during_a_stream_and_idle_after_disconnect(tiny_server: Serve
 def ops_server(tiny_model_dir: Path) -> Any:
     server = ServerProcess(
         ["-m", str(tiny_model_dir), "--metrics", "--parallel", "1", "--no-slots", "--props",
-         "--api-key", "k1,k2", "--api-key", "k3", "--no-warmup"]
+         "--api-key", "k1,k2", "--api-key", "k3", "--no-warmup", "--max-request-bytes", "65536"]
     )
     yield server
     server.stop()
@@ -228,6 +228,12 @@ def test_body_over_2_mib_is_413_in_the_openai_envelope(tiny_server: ServerProces
     r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=big)
     assert r.status_code == 413
     assert set(r.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_request_size_limit_is_configurable(ops_server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "x" * 70_000}]}
+    r = httpx.post(f"{ops_server.base_url}/v1/chat/completions", json=body, headers=auth())
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
 
 
 def test_bad_priority_header_is_400(tiny_server: ServerProcess) -> None:
