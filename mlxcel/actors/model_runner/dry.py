@@ -162,9 +162,14 @@ def make_dry(
             mx.array(base, dtype=mx.float32), exponent.astype(mx.float32)
         )
         penalty = mx.where(length >= allowed_length, penalty, 0.0)
-        per_token = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[s[: n - 1]].maximum(penalty)
+        # The max penalty per token, read back at the candidate positions only: a token that
+        # follows several matches gets the same (largest) value written each time.
+        nexts = s[: n - 1]
+        best = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[nexts].maximum(penalty)[nexts]
         if single_mask is not None:
-            per_token = mx.where(single_mask, 0.0, per_token)
-        return logits - per_token.astype(logits.dtype)
+            best = mx.where(single_mask[nexts], 0.0, best)
+        out = mx.array(logits)
+        out[:, nexts] = logits[:, nexts] - best.astype(logits.dtype)
+        return out
 
     return dry

@@ -121,10 +121,14 @@ def _make_penalties(repeat: float, presence: float, frequency: float, last_n: in
         window = tokens if last_n < 0 else tokens[-last_n:]
         if window.size == 0:
             return logits
-        counts = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[window].add(1.0)
-        x = logits.astype(mx.float32)
+        # Work on the window's tokens only (a repeated token just writes the same value twice);
+        # the one vocabulary-wide op is the count table.
+        counts = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[window].add(1.0)[window]
+        x = logits[:, window].astype(mx.float32)
         penalised = mx.where(x <= 0, x * repeat, x / repeat) - counts * frequency - presence
-        return mx.where(counts > 0, penalised, x).astype(logits.dtype)
+        out = mx.array(logits)
+        out[:, window] = penalised.astype(logits.dtype)
+        return out
 
     return penalties
 
