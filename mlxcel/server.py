@@ -18,6 +18,8 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from mlxcel.actors.admission import Admission
+from mlxcel.actors.reasoning import detect_reasoning
+from mlxcel.actors.toolcalls import detect as detect_tools
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
 from mlxcel.actors.side_models import GenerationDisabled, start_side_models
@@ -94,7 +96,15 @@ async def serve(
             if side.generation
             else side.model_info()
         )
-        await root.start(Streamer(info.tokenizer, info.eos_token_ids, stream_rx, aborts, metrics).run)
+        # Output formats are read off the chat template (and special tokens) once, here.
+        tool_format = detect_tools(info.chat_template, info.tokenizer.get_vocab())
+        reasoning = detect_reasoning(info.chat_template)
+        await root.start(
+            Streamer(
+                info.tokenizer, info.eos_token_ids, stream_rx, aborts, metrics,
+                reasoning=reasoning, tool_format=tool_format,
+            ).run
+        )
         scheduler = Scheduler(
             parallel=settings.parallel,
             inbox=tokenized_rx,
@@ -108,6 +118,7 @@ async def serve(
         tokenizer = TokenizerActor(
             tokenizer=info.tokenizer,
             context_length=info.context_length,
+            reasoning=reasoning,
             n_predict=settings.n_predict,
             inbox=submit_rx,
             outbox=tokenized_tx,
@@ -128,6 +139,7 @@ async def serve(
             scheduler=scheduler,
             scheduler_tx=tokenized_tx.clone(),
             metrics=metrics,
+            tool_format=tool_format,
         )
         metrics.live.running = lambda: scheduler.running
         metrics.live.waiting = lambda: scheduler.waiting

@@ -143,6 +143,9 @@ class Scheduler:
                     item.slot,
                     item.request.stop,
                     item.prompt_tokens[-_PROMPT_TAIL:],
+                    parse_tools=item.request.parse_tools,
+                    single_tool_call=item.request.single_tool_call,
+                    reasoning_open=item.reasoning_open,
                 )
             )
         return decision.plan

@@ -1,7 +1,9 @@
 """The streamer actor: token ids in, text deltas out to each request's OutputSlot.
 
-It detokenises incrementally, cuts stop strings (telling the scheduler to stop the sequence
-through the AbortBox) and delivers finish reasons. It never blocks on a client: slots merge.
+Per request, output text goes through: incremental detokeniser -> stop strings (a match tells
+the scheduler to stop the sequence through the AbortBox) -> reasoning splitter (thinking goes
+to `reasoning`) -> tool-call parser (calls become events). Streaming and non-streaming answers
+are built from the same events, so they always agree. It never blocks on a client: slots merge.
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ import attrs
 import trio
 
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
+from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, ReasoningSplitter
+from mlxcel.actors.toolcalls import StreamParser, TextDelta, ToolCallStart, ToolFormat, make_parser
 from mlxcel.runtime.errors import InternalError
-from mlxcel.runtime.messages import CloseStream, OpenStream, StepTokens, StreamerInbox, TokenOut
+from mlxcel.runtime.messages import (
+    CloseStream,
+    FinishReason,
+    OpenStream,
+    StepTokens,
+    StreamerInbox,
+    TokenOut,
+)
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.slot import AbortBox, OutputSlot, TokenLogprob
 
@@ -27,6 +38,10 @@ class _Stream:
     slot: OutputSlot
     detok: IncrementalDetokenizer
     stops: StopMatcher
+    reasoning: ReasoningSplitter | None = None
+    tools: StreamParser | None = None
+    single_call: bool = False
+    calls: int = 0
     last_token_at: float | None = None
 
 
@@ -38,12 +53,17 @@ class Streamer:
         inbox: trio.MemoryReceiveChannel[StreamerInbox],
         aborts: AbortBox,
         metrics: Metrics | None = None,
+        *,
+        reasoning: ReasoningFormat | None = None,
+        tool_format: ToolFormat | None = None,
     ) -> None:
         self._metrics = metrics or Metrics()
         self._tokenizer = tokenizer
         self._eos = eos_token_ids
         self._inbox = inbox
         self._aborts = aborts
+        self._reasoning = reasoning
+        self._tool_format = tool_format
         self._streams: dict[str, _Stream] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -55,10 +75,8 @@ class Streamer:
 
     def handle(self, msg: StreamerInbox) -> None:
         match msg:
-            case OpenStream(request_id, slot, stop, prompt_tail):
-                self._streams[request_id] = _Stream(
-                    slot, IncrementalDetokenizer(self._tokenizer, prompt_tail), StopMatcher(stop)
-                )
+            case OpenStream():
+                self._open(msg)
             case StepTokens(tokens):
                 for t in tokens:
                     self._token(t)
@@ -72,6 +90,22 @@ class Streamer:
                         stream.slot.finish(reason)
             case _:
                 assert_never(msg)
+
+    def _open(self, msg: OpenStream) -> None:
+        splitter = None
+        if self._reasoning is not None:
+            splitter = self._reasoning.splitter(starts_open=msg.reasoning_open)
+        parser = None
+        if msg.parse_tools and self._tool_format is not None:
+            parser = make_parser(self._tool_format)
+        self._streams[msg.request_id] = _Stream(
+            msg.slot,
+            IncrementalDetokenizer(self._tokenizer, msg.prompt_tail),
+            StopMatcher(msg.stop),
+            splitter,
+            parser,
+            msg.single_tool_call,
+        )
 
     def _token(self, t: TokenOut) -> None:
         stream = self._streams.get(t.request_id)
@@ -93,18 +127,46 @@ class Streamer:
             if t.logprob is not None:
                 lp = TokenLogprob(t.token, t.logprob, t.top_logprobs)
         emit, matched = stream.stops.feed(text)
-        if matched is not None:
-            stream.slot.push(emit, n, lp)
-            stream.slot.finish("stop", stop_word=matched)
-            self._metrics.requests.labels("stop").inc()
-            del self._streams[t.request_id]
-            self._aborts.notify(t.request_id)
-            return
-        if t.finish_reason is not None:
+        final = matched is not None or t.finish_reason is not None
+        if final and matched is None:
             emit += stream.stops.flush()
-            stream.slot.push(emit, n, lp)
-            stream.slot.finish(t.finish_reason)
-            self._metrics.requests.labels(t.finish_reason).inc()
-            del self._streams[t.request_id]
-        else:
-            stream.slot.push(emit, n, lp)
+        self._route(stream, emit, final)
+        stream.slot.push("", n, lp)
+        if not final:
+            return
+        del self._streams[t.request_id]
+        reason: FinishReason = "stop" if matched is not None else t.finish_reason or "stop"
+        if reason == "stop" and stream.calls:
+            reason = "tool_calls"
+        stream.slot.finish(reason, stop_word=matched)
+        self._metrics.requests.labels(reason).inc()
+        if matched is not None:
+            self._aborts.notify(t.request_id)
+
+    def _route(self, stream: _Stream, text: str, final: bool) -> None:
+        """Split thinking from the answer, then tool calls from the answer's text."""
+        pieces: list[ReasoningDelta | TextDelta] = [TextDelta(text)] if text else []
+        if stream.reasoning is not None:
+            pieces = stream.reasoning.feed(text) if text else []
+            if final:
+                pieces += stream.reasoning.finish()
+        for piece in pieces:
+            if isinstance(piece, ReasoningDelta):
+                stream.slot.push_reasoning(piece.text)
+            elif stream.tools is None:
+                stream.slot.push(piece.text, 0)
+            else:
+                self._tool_events(stream, stream.tools.feed(piece.text))
+        if final and stream.tools is not None:
+            self._tool_events(stream, stream.tools.finish())
+
+    def _tool_events(self, stream: _Stream, events: list[Any]) -> None:
+        for event in events:
+            if isinstance(event, TextDelta):
+                stream.slot.push(event.text, 0)
+                continue
+            if stream.single_call and event.index > 0:
+                continue  # parallel_tool_calls: false keeps the first call only
+            if isinstance(event, ToolCallStart):
+                stream.calls += 1
+            stream.slot.push_tool_event(event)

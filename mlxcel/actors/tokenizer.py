@@ -12,6 +12,7 @@ from typing import Any, assert_never
 
 import trio
 
+from mlxcel.actors.reasoning import ReasoningFormat
 from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
     ChatPrompt,
@@ -31,11 +32,13 @@ class TokenizerActor:
         *,
         tokenizer: Any,
         context_length: int,
+        reasoning: ReasoningFormat | None = None,
         n_predict: int,
         inbox: trio.MemoryReceiveChannel[Submit],
         outbox: trio.MemorySendChannel[Tokenized],
     ) -> None:
         self._tok = tokenizer
+        self._reasoning = reasoning
         self._ctx = context_length
         self._n_predict = n_predict
         self._inbox = inbox
@@ -52,6 +55,7 @@ class TokenizerActor:
             try:
                 tokens = await trio.to_thread.run_sync(self.encode, sub.request)
                 max_tokens = self.budget(sub.request, len(tokens))
+                opened = self._opens_reasoning(tokens)
             except MlxcelError as error:
                 sub.slot.fail(error)
                 sub.slot.reservation.release()
@@ -62,17 +66,26 @@ class TokenizerActor:
                 sub.slot.reservation.release()
                 continue
             sub.slot.accept(len(tokens))
-            await self._outbox.send(Tokenized(sub.request, sub.slot, tuple(tokens), max_tokens))
+            await self._outbox.send(
+                Tokenized(sub.request, sub.slot, tuple(tokens), max_tokens, opened)
+            )
+
+    def _opens_reasoning(self, tokens: list[int]) -> bool:
+        if self._reasoning is None:
+            return False
+        tail = str(self._tok.decode(tokens[-16:], skip_special_tokens=False))
+        return self._reasoning.opened_by(tail)
 
     def render(self, request: GenerationRequest) -> str:
         """The exact text the model will read (the chat template applied)."""
         prompt = request.prompt
         match prompt:
-            case ChatPrompt(messages=messages):
+            case ChatPrompt(messages=messages, tools=tools):
+                extra = {"tools": list(tools)} if tools else {}
                 try:
                     return str(
                         self._tok.apply_chat_template(
-                            list(messages), tokenize=False, add_generation_prompt=True
+                            list(messages), tokenize=False, add_generation_prompt=True, **extra
                         )
                     )
                 except Exception as error:  # jinja raises plain exceptions for template errors

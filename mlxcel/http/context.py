@@ -13,6 +13,7 @@ from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.tokenizer import TokenizerActor
+from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime.messages import SchedulerInbox
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.errors import NotFound
@@ -30,6 +31,8 @@ class ServerContext:
     scheduler: Scheduler
     scheduler_tx: trio.MemorySendChannel[SchedulerInbox]
     metrics: Metrics
+    # The model's tool-call format (None: the model cannot call tools).
+    tool_format: ToolFormat | None = None
     created: int = attrs.field(factory=lambda: int(time.time()))
     ready: bool = False
     # Side models on their own worker threads (None when not loaded). With generation False

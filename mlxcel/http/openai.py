@@ -19,19 +19,20 @@ from quart import Blueprint, Response, request
 
 from mlxcel.http import logprobs, sse
 from mlxcel.actors.side_models import require_generation
+from mlxcel.http.chat_render import Collected, message, stream_choices
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import side_model_entries
 from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import GenerationRequest
-from mlxcel.runtime.slot import OutputSlot, TokenLogprob
+from mlxcel.runtime.slot import OutputSlot, SlotUpdate
 
 bp = Blueprint("openai", __name__)
 
-# Builds one streamed choice from a text delta (None for the finish chunk), the finish reason,
-# and the log-probabilities of the tokens behind that delta.
-ChoiceFn = Callable[[str | None, str | None, tuple[TokenLogprob, ...]], dict[str, Any]]
+# The streamed choices for one slot update, and the finishing choice for a finish reason.
+RenderFn = Callable[[SlotUpdate], list[dict[str, Any]]]
+FinishFn = Callable[[str], dict[str, Any]]
 
 
 async def read_json() -> Any:
@@ -72,17 +73,15 @@ async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> Output
     return slot
 
 
-async def _collect(slot: OutputSlot) -> tuple[str, str, tuple[TokenLogprob, ...]]:
+async def _collect(slot: OutputSlot) -> Collected:
     try:
-        parts: list[str] = []
-        lps: list[TokenLogprob] = []
+        collected = Collected()
         while True:
             update = await slot.next()
             assert update is not None  # no timeout given
-            parts.append(update.text)
-            lps.extend(update.logprobs)
+            collected.add(update)
             if update.finish_reason is not None:
-                return "".join(parts), update.finish_reason, tuple(lps)
+                return collected
     finally:
         slot.cancel()
 
@@ -91,7 +90,8 @@ def _stream(
     ctx: ServerContext,
     slot: OutputSlot,
     base: dict[str, Any],
-    choice: ChoiceFn,
+    render: RenderFn,
+    finish: FinishFn,
     first: dict[str, Any] | None,
     options: StreamOptions | None,
 ) -> Response:
@@ -113,10 +113,10 @@ def _stream(
                 if update is None:
                     yield sse.KEEPALIVE
                     continue
-                if update.text or update.logprobs:
-                    yield chunk([choice(update.text, None, update.logprobs)])
+                for c in render(update):
+                    yield chunk([c])
                 if update.finish_reason is not None:
-                    yield chunk([choice(None, update.finish_reason, ())])
+                    yield chunk([finish(update.finish_reason)])
                     break
             if options is not None and options.include_usage:
                 yield chunk([], usage=_usage(slot, ctx))
@@ -134,6 +134,11 @@ async def chat_completions() -> Response:
     require_generation(ctx.generation)
     body, gen = chat_request(await read_json())
     model = ctx.check_model(body.model)
+    if gen.parse_tools and ctx.tool_format is None:
+        raise InvalidRequest(
+            "This model's chat template has no tool-call format, so it cannot call tools.",
+            param="tools",
+        )
     slot = await start_generation(ctx, gen)
     created = int(time.time())
     base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}
@@ -142,21 +147,22 @@ async def chat_completions() -> Response:
     if body.stream:
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
 
-        def choice(text: str | None, finish: str | None, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
-            delta = {} if text is None else {"content": text}
-            scores = logprobs.chat(tok, lps) if wants_logprobs and text is not None else None
-            return {"index": 0, "delta": delta, "logprobs": scores, "finish_reason": finish}
+        def finish_choice(reason: str) -> dict[str, Any]:
+            return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
 
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return _stream(ctx, slot, base, choice, first, body.stream_options)
-    text, finish, lps = await _collect(slot)
-    message = {"role": "assistant", "content": text}
-    scores = logprobs.chat(tok, lps) if wants_logprobs else None
+        return _stream(
+            ctx, slot, base, lambda u: stream_choices(u, tok, wants_logprobs), finish_choice, first,
+            body.stream_options,
+        )
+    c = await _collect(slot)
+    scores = logprobs.chat(tok, c.logprobs) if wants_logprobs else None
+    choice = {"index": 0, "message": message(c), "logprobs": scores, "finish_reason": c.finish_reason}
     return _json(
         {
             **base,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "logprobs": scores, "finish_reason": finish}],
+            "choices": [choice],
             "usage": _usage(slot, ctx),
         }
     )
@@ -175,19 +181,25 @@ async def completions() -> Response:
     if body.stream:
         emitted = 0
 
-        def choice(text: str | None, finish: str | None, lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        def render(update: SlotUpdate) -> list[dict[str, Any]]:
             nonlocal emitted
-            scores = logprobs.legacy(tok, lps, emitted) if wants_logprobs and text is not None else None
-            emitted += len(text or "")
-            return {"index": 0, "text": text or "", "logprobs": scores, "finish_reason": finish}
+            if not update.text and not update.logprobs:
+                return []
+            scores = logprobs.legacy(tok, update.logprobs, emitted) if wants_logprobs else None
+            emitted += len(update.text)
+            return [{"index": 0, "text": update.text, "logprobs": scores, "finish_reason": None}]
 
-        return _stream(ctx, slot, base, choice, None, body.stream_options)
-    text, finish, lps = await _collect(slot)
-    legacy_scores = logprobs.legacy(tok, lps) if wants_logprobs else None
+        def finish_choice(reason: str) -> dict[str, Any]:
+            return {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+
+        return _stream(ctx, slot, base, render, finish_choice, None, body.stream_options)
+    c = await _collect(slot)
+    legacy_scores = logprobs.legacy(tok, c.logprobs) if wants_logprobs else None
+    text = "".join(c.text)
     return _json(
         {
             **base,
-            "choices": [{"index": 0, "text": text, "logprobs": legacy_scores, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": text, "logprobs": legacy_scores, "finish_reason": c.finish_reason}],
             "usage": _usage(slot, ctx),
         }
     )

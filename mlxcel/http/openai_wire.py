@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -49,6 +50,9 @@ class ChatCompletionBody:
     prompt_cache_key: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -124,6 +128,19 @@ def _content(content: Any, where: str) -> str | None:
     return "\n".join(texts)
 
 
+def _template_call(call: Any) -> Any:
+    """OpenAI sends arguments as a JSON string; chat templates expect the object."""
+    if isinstance(call, dict) and isinstance(call.get("function"), dict):
+        fn = dict(call["function"])
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass
+        return {**call, "function": fn}
+    return call
+
+
 def _messages(value: Any) -> tuple[dict[str, object], ...]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
@@ -139,6 +156,8 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
             if key not in MESSAGE_KEYS and not (key in NULLABLE_ECHO_KEYS and not val):
                 raise UnsupportedField(f"{at}.{key}")
         rendered: dict[str, object] = {k: v for k, v in msg.items() if k in MESSAGE_KEYS}
+        if isinstance(msg.get("tool_calls"), list):
+            rendered["tool_calls"] = [_template_call(c) for c in msg["tool_calls"]]
         rendered["role"] = "system" if role == "developer" else role
         rendered["content"] = _content(msg.get("content"), f"{at}.content") or ""
         out.append(rendered)
@@ -154,9 +173,12 @@ def chat_request(data: Any) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(data, ChatCompletionBody)
     _n(body.n)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    tools, parse_tools = _tools(body)
     request = GenerationRequest(
         request_id=new_id("chatcmpl"),
-        prompt=ChatPrompt(messages=_messages(body.messages)),
+        prompt=ChatPrompt(messages=_messages(body.messages), tools=tools),
+        parse_tools=parse_tools,
+        single_tool_call=body.parallel_tool_calls is False,
         sampling=_sampling(body.temperature, body.top_p, body.seed),
         max_tokens=max_tokens,
         stop=_stop(body.stop),
@@ -165,6 +187,34 @@ def chat_request(data: Any) -> tuple[ChatCompletionBody, GenerationRequest]:
         logprobs=_chat_logprobs(body),
     )
     return body, request
+
+
+MAX_TOOLS = 128
+
+
+def _tools(body: ChatCompletionBody) -> tuple[tuple[dict[str, object], ...] | None, bool]:
+    """The function tools for the template, and whether to parse calls out of the output."""
+    if body.tools is None:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        return None, False
+    if not isinstance(body.tools, list):
+        raise InvalidRequest("tools must be a list", param="tools")
+    if len(body.tools) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools are supported", param="tools")
+    for i, tool in enumerate(body.tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequest("only function tools are supported", param=f"tools[{i}].type")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidRequest("a function tool needs a name", param=f"tools[{i}].function.name")
+    choice = "auto" if body.tool_choice is None else body.tool_choice
+    if choice not in ("auto", "none"):
+        # "required" and a named tool must be enforced, which needs constrained decoding.
+        raise UnsupportedField(
+            "tool_choice", "only 'auto' and 'none' are supported (forcing a call needs constrained decoding)"
+        )
+    return tuple(body.tools), choice == "auto"
 
 
 def _chat_logprobs(body: ChatCompletionBody) -> int | None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from mlxcel.actors.embedder import EmbedReply
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 # --- shared request description ------------------------------------------------------------
@@ -40,6 +40,8 @@ class ChatPrompt:
     """Messages to render through the model's chat template."""
 
     messages: tuple[dict[str, object], ...]
+    # Function tools offered to the model, passed to the template as `tools`.
+    tools: tuple[dict[str, object], ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -78,6 +80,10 @@ class GenerationRequest:
     priority: int = 1
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely ones.
     logprobs: int | None = None
+    # Parse tool calls out of the output (tools offered and tool_choice is not "none").
+    parse_tools: bool = False
+    # Keep at most the first tool call (parallel_tool_calls: false).
+    single_tool_call: bool = False
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -103,6 +109,8 @@ class Tokenized:
     prompt_tokens: tuple[int, ...]
     # Already clamped to the context window and the server default.
     max_tokens: int
+    # The rendered prompt leaves a thinking block open (the output starts inside reasoning).
+    reasoning_open: bool = False
 
 
 # --- scheduler -> model runner ----------------------------------------------------------------
@@ -203,6 +211,9 @@ class OpenStream:
     stop: tuple[str, ...]
     # The last few prompt tokens: left context for detokenising the first output tokens.
     prompt_tail: tuple[int, ...]
+    parse_tools: bool = False
+    single_tool_call: bool = False
+    reasoning_open: bool = False
 
 
 @attrs.frozen

@@ -64,6 +64,9 @@ class SlotUpdate:
     n_tokens: int
     finish_reason: FinishReason | None
     logprobs: tuple[TokenLogprob, ...] = ()
+    # Thinking text (split out of the output) and tool-call events, in order.
+    reasoning: str = ""
+    tool_events: tuple[object, ...] = ()
 
 
 class OutputSlot:
@@ -82,6 +85,8 @@ class OutputSlot:
         self._accepted = trio.Event()
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._reasoning: list[str] = []
+        self._tool_events: list[object] = []
         self._pending_tokens = 0
         self._finish: FinishReason | None = None
         self._error: MlxcelError | None = None
@@ -113,6 +118,15 @@ class OutputSlot:
             self._logprobs.append(logprob)
         self._pending_tokens += n_tokens
         self.completion_tokens += n_tokens
+        self._wake.set()
+
+    def push_reasoning(self, text: str) -> None:
+        if text:
+            self._reasoning.append(text)
+            self._wake.set()
+
+    def push_tool_event(self, event: object) -> None:
+        self._tool_events.append(event)
         self._wake.set()
 
     def finish(self, reason: FinishReason, stop_word: str | None = None) -> None:
@@ -160,10 +174,17 @@ class OutputSlot:
         if self._error is not None:
             raise self._error
         update = SlotUpdate(
-            "".join(self._text), self._pending_tokens, self._finish, tuple(self._logprobs)
+            "".join(self._text),
+            self._pending_tokens,
+            self._finish,
+            tuple(self._logprobs),
+            "".join(self._reasoning),
+            tuple(self._tool_events),
         )
         self._text.clear()
         self._logprobs.clear()
+        self._reasoning.clear()
+        self._tool_events.clear()
         self._pending_tokens = 0
         if self._finish is not None:
             self._delivered_finish = True

@@ -28,7 +28,12 @@ HELLO = [19556, 28, 905, 17]  # token ids; decoded below rather than trusted
 
 @asynccontextmanager
 async def fake_server(
-    tokenizer: Any, *, script: list[int] | None = None, **kw: Any
+    tokenizer: Any,
+    *,
+    script: list[int] | None = None,
+    chat_template: str | None = None,
+    reasoning_template: bool = False,
+    **kw: Any,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeBackend, ServerContext]]:
     names = {a.name for a in attrs.fields(Settings)}
     settings_kw = {k: kw.pop(k) for k in list(kw) if k in names}
@@ -39,7 +44,8 @@ async def fake_server(
         tokenizer=tokenizer,
         eos_token_ids=frozenset({tokenizer.eos_token_id}),
         context_length=settings.ctx_size,
-        chat_template=None,
+        # Output parsing reads the template: a tool marker or a <think> mention switches it on.
+        chat_template=(chat_template or "") + ("{# <think> #}" if reasoning_template else "") or None,
     )
     backend = FakeBackend(info, script=script or HELLO, **kw)
     stop = trio.Event()
@@ -155,3 +161,100 @@ async def test_shutdown_rejects_new_work_with_503(smollm_tokenizer: Any) -> None
         r = await client.post("/v1/chat/completions", json=chat())
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "unavailable_error"
+
+
+QWEN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
+    "{# tools: <tool_call> #}<|im_start|>assistant\n"
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@asynccontextmanager
+async def scripted(tokenizer: Any, text: str, reasoning_template: bool = False, **kw: Any) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
+    """A fake model that answers `text` (then end of sequence), with a Hermes/Qwen tool template."""
+    script = tokenizer.encode(text, add_special_tokens=False)
+    async with fake_server(tokenizer, script=script, eos_after=len(script), chat_template=QWEN_TEMPLATE,
+                           reasoning_template=reasoning_template, **kw) as (client, _, ctx):
+        yield client, ctx.model_id
+
+
+CALL = 'I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+async def test_tool_call_non_streaming_shape(smollm_tokenizer: Any) -> None:
+    async with scripted(smollm_tokenizer, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>') as (client, _):
+        r = await client.post("/v1/chat/completions", json=chat(tools=WEATHER))
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+async def test_tool_call_streaming_deltas_and_sdk_accumulator(smollm_tokenizer: Any) -> None:
+    import openai
+
+    async with scripted(smollm_tokenizer, CALL) as (client, model):
+        sdk = openai.OpenAI(base_url=f"{str(client.base_url).rstrip('/')}/v1", api_key="x", max_retries=0,
+                            _strict_response_validation=True)
+        messages: Any = [{"role": "user", "content": "weather?"}]
+
+        def raw_stream() -> list[Any]:
+            return list(sdk.chat.completions.create(model=model, messages=messages, tools=WEATHER, stream=True))
+
+        def helper_stream() -> Any:
+            # The SDK's own accumulator checks the delta shapes as it merges them.
+            with sdk.chat.completions.stream(model=model, messages=messages, tools=WEATHER) as stream:
+                for _ in stream:
+                    pass
+                return stream.get_final_completion()
+
+        # The sync SDK runs in a thread so this test's Trio loop keeps serving it.
+        deltas = await trio.to_thread.run_sync(raw_stream)
+        final = await trio.to_thread.run_sync(helper_stream)
+        sdk.close()
+    calls = [d.choices[0].delta.tool_calls for d in deltas if d.choices and d.choices[0].delta.tool_calls]
+    first, *rest = [c[0] for c in calls]
+    assert first.index == 0 and first.id and first.type == "function" and first.function.name == "get_weather"
+    assert all(c.id is None and c.type is None and c.function.name is None for c in rest)
+    args = (first.function.arguments or "") + "".join(c.function.arguments or "" for c in rest)
+    assert json.loads(args) == {"city": "Paris"}
+    text = "".join(d.choices[0].delta.content or "" for d in deltas if d.choices)
+    assert text == "I will check."
+    assert deltas[-1].choices[0].finish_reason == "tool_calls"
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert final.choices[0].message.content == "I will check."
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+async def test_tool_choice_none_leaves_the_text_alone(smollm_tokenizer: Any) -> None:
+    async with scripted(smollm_tokenizer, CALL) as (client, _):
+        r = await client.post("/v1/chat/completions", json=chat(tools=WEATHER, tool_choice="none"))
+    msg = r.json()["choices"][0]["message"]
+    assert msg["content"] == CALL and "tool_calls" not in msg
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_forced_tool_choice_is_a_400_naming_the_field(smollm_tokenizer: Any) -> None:
+    async with scripted(smollm_tokenizer, CALL) as (client, _):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = await client.post("/v1/chat/completions", json=chat(tools=WEATHER, tool_choice=choice))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        bad = await client.post("/v1/chat/completions", json=chat(tools=[{"type": "web_search"}]))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].type"
+
+
+async def test_reasoning_is_split_the_same_way_streamed_and_not(smollm_tokenizer: Any) -> None:
+    text = "<think>\nThe user greets me.\n</think>\n\nHello!"
+    async with scripted(smollm_tokenizer, text, reasoning_template=True) as (client, _):
+        whole = (await client.post("/v1/chat/completions", json=chat())).json()["choices"][0]["message"]
+        async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
+            frames = [json.loads(line[6:]) for line in [x async for x in r.aiter_lines()] if line.startswith("data: {")]
+    assert whole["reasoning_content"] == whole["reasoning"] == "The user greets me."
+    assert whole["content"] == "Hello!"
+    deltas = [f["choices"][0]["delta"] for f in frames if f["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == whole["content"]
