@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mlxcel.runtime.messages import SamplingParams
 from mlxcel.runtime.settings import Settings, default_cache_dir
 
 log = logging.getLogger("mlxcel")
@@ -123,6 +124,31 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="default embedding normalisation: -1 none, 0 max-abs, 1 taxicab, 2 L2, >2 p-norm")
     opt("--pooling", env="LLAMA_ARG_POOLING", default=d.pooling,
         choices=["cls", "mean", "max", "lasttoken"], help="override the embedder's pooling")
+    g = d.sampling
+    for flags, env, kind, default, what in (
+        (("--temp",), "TEMP", float, g.temperature, "temperature"),
+        (("--top-k",), "TOP_K", int, g.top_k, "top-k (0 = off)"),
+        (("--top-p",), "TOP_P", float, g.top_p, "top-p (1 = off)"),
+        (("--min-p",), "MIN_P", float, g.min_p, "min-p (0 = off)"),
+        (("--typical",), "TYPICAL", float, g.typical_p, "locally typical sampling p (1 = off)"),
+        (("--top-nsigma",), "TOP_NSIGMA", float, g.top_n_sigma, "top-n-sigma (0 or -1 = off)"),
+        (("--xtc-probability",), "XTC_PROBABILITY", float, g.xtc_probability, "XTC probability"),
+        (("--xtc-threshold",), "XTC_THRESHOLD", float, g.xtc_threshold, "XTC threshold"),
+        (("--repeat-penalty",), "REPEAT_PENALTY", float, g.repetition_penalty, "repetition penalty (1 = off)"),
+        (("--repeat-last-n",), "REPEAT_LAST_N", int, g.repetition_context_size,
+         "tokens the penalties look back over (-1 = all, 0 = off)"),
+        (("--presence-penalty",), "PRESENCE_PENALTY", float, g.presence_penalty, "presence penalty"),
+        (("--frequency-penalty",), "FREQUENCY_PENALTY", float, g.frequency_penalty, "frequency penalty"),
+        (("--dry-multiplier",), "DRY_MULTIPLIER", float, g.dry_multiplier, "DRY multiplier (0 = off)"),
+        (("--dry-base",), "DRY_BASE", float, g.dry_base, "DRY base"),
+        (("--dry-allowed-length",), "DRY_ALLOWED_LENGTH", int, g.dry_allowed_length, "DRY allowed length"),
+        (("--dry-penalty-last-n",), "DRY_PENALTY_LAST_N", int, g.dry_penalty_last_n,
+         "DRY look-back (-1 = all, 0 = off)"),
+        (("-s", "--seed"), "SEED", int, -1, "default seed (-1 = random)"),
+    ):
+        opt(*flags, env=f"LLAMA_ARG_{env}", type=kind, default=default, help=f"default {what}")
+    p.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="STR",
+                   help="DRY sequence breaker (repeatable; replaces the defaults)")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
 
 
@@ -138,6 +164,28 @@ def api_keys(args: argparse.Namespace) -> frozenset[str]:
             raise SystemExit(f"error: --api-key-file: {error}") from None
         keys |= {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     return frozenset(keys)
+
+
+def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
+    from mlxcel.runtime.sampling_rules import validate
+
+    base = Settings().sampling
+    params = SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        typical_p=args.typical, top_n_sigma=max(args.top_nsigma, 0.0),
+        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+        repetition_penalty=args.repeat_penalty, repetition_context_size=args.repeat_last_n,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        dry_multiplier=args.dry_multiplier, dry_base=args.dry_base,
+        dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
+        dry_sequence_breakers=tuple(args.dry_sequence_breaker or base.dry_sequence_breakers),
+        seed=None if args.seed == -1 else args.seed,
+    )
+    try:
+        validate(params)
+    except ValueError as error:
+        raise SystemExit(f"error: sampling default {error}") from None
+    return params
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -181,6 +229,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         timeout=args.timeout,
         cache_ram_mib=args.cache_ram,
         max_request_bytes=args.max_request_bytes,
+        sampling=sampling_defaults(args),
         metrics_endpoint=args.metrics,
         slots_endpoint=args.slots,
         props_endpoint=args.props,

@@ -10,7 +10,6 @@ running, or any stage that drops it).
 from __future__ import annotations
 
 import itertools
-import math
 
 import trio
 
@@ -23,11 +22,7 @@ MAX_STOP_STRINGS = 16
 
 def validate(request: GenerationRequest) -> None:
     """Range checks that need no model. Raises InvalidRequest naming the field."""
-    s = request.sampling
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidRequest("temperature must be a number >= 0", param="temperature")
-    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        raise InvalidRequest("top_p must be between 0 and 1", param="top_p")
+    # Sampling settings were range-checked where they were parsed (http.sampling_wire).
     if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
     if len(request.stop) > MAX_STOP_STRINGS:

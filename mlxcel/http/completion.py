@@ -20,12 +20,12 @@ from mlxcel.http.errors import envelope
 from mlxcel.http.openai import read_json, start_generation
 from mlxcel.http.openai_wire import new_id
 from mlxcel.http.ops import NotSupported, generation_defaults
+from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
     GenerationRequest,
     Prompt,
-    SamplingParams,
     TextPrompt,
     TokensPrompt,
 )
@@ -41,13 +41,10 @@ FIM_TOKENS = (
 
 
 @attrs.frozen(kw_only=True)
-class NativeCompletionBody:
+class NativeCompletionBody(SamplingFields):
     prompt: Any = ""
     n_predict: int | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
     stop: list[str] | None = None
     stream: bool | None = None
     cache_prompt: bool | None = None
@@ -80,17 +77,12 @@ def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
         raise InvalidRequest("n_probs must be between 0 and 20", param="n_probs")
     if body.id_slot not in (None, -1):
         raise InvalidRequest("choosing a slot is not supported; use id_slot -1", param="id_slot")
-    if body.seed is not None and body.seed < -1:
-        raise InvalidRequest("seed must be -1 (random) or a non-negative integer", param="seed")
+    ctx = server()
     n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
     return GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=prompt,
-        sampling=SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=None if body.seed in (None, -1) else body.seed,
-        ),
+        sampling=sampling_params(body, ctx.settings.sampling, len(ctx.info.tokenizer)),
         # llama-server: n_predict -1 means "until end of sequence or context".
         max_tokens=None if n_predict is None or n_predict < 0 else n_predict,
         stop=tuple(body.stop or ()),

@@ -79,7 +79,7 @@ async def detokenize() -> Response:
 
 
 async def _render_chat(body: dict[str, Any]) -> tuple[str, int]:
-    _, gen = chat_request(body)
+    _, gen = chat_request(body, server().settings.sampling)
     actor = server().tokenizer
     text = await trio.to_thread.run_sync(actor.render, gen)
     n = len(await trio.to_thread.run_sync(actor.encode, gen))

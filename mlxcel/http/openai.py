@@ -132,7 +132,7 @@ def _stream(
 async def chat_completions() -> Response:
     ctx = server()
     require_generation(ctx.generation)
-    body, gen = chat_request(await read_json())
+    body, gen = chat_request(await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer))
     model = ctx.check_model(body.model)
     if gen.parse_tools and ctx.tool_format is None:
         raise InvalidRequest(
@@ -172,7 +172,7 @@ async def chat_completions() -> Response:
 async def completions() -> Response:
     ctx = server()
     require_generation(ctx.generation)
-    body, gen = completion_request(await read_json())
+    body, gen = completion_request(await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer))
     model = ctx.check_model(body.model)
     slot = await start_generation(ctx, gen)
     base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model}

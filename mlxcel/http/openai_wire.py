@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
 from mlxcel.runtime.messages import (
@@ -32,15 +33,13 @@ class StreamOptions:
 
 
 @attrs.frozen(kw_only=True)
-class ChatCompletionBody:
+class ChatCompletionBody(SamplingFields):
     messages: Any
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n_predict: int | None = None
     stop: Any = None
-    seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
@@ -56,14 +55,12 @@ class ChatCompletionBody:
 
 
 @attrs.frozen(kw_only=True)
-class CompletionBody:
+class CompletionBody(SamplingFields):
     prompt: Any
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n_predict: int | None = None
     stop: Any = None
-    seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: int | None = None
@@ -98,16 +95,6 @@ def cache_key(body: ChatCompletionBody | CompletionBody) -> str | None:
     if body.cache_prompt is False:
         return None
     return body.prompt_cache_key or body.user or ""
-
-
-def _sampling(temperature: float | None, top_p: float | None, seed: int | None) -> SamplingParams:
-    if seed is not None and seed < -1:
-        raise InvalidRequest("seed must be -1 (random) or a non-negative integer", param="seed")
-    return SamplingParams(
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        seed=None if seed is None or seed == -1 else seed,
-    )
 
 
 def _content(content: Any, where: str) -> str | None:
@@ -169,17 +156,25 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
     return tuple(out)
 
 
-def chat_request(data: Any) -> tuple[ChatCompletionBody, GenerationRequest]:
+def _first(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
+def chat_request(
+    data: Any, defaults: SamplingParams = SamplingParams(), vocab_size: int | None = None
+) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(data, ChatCompletionBody)
     _n(body.n)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = _first(body.max_completion_tokens, body.max_tokens, body.n_predict)
+    if max_tokens is not None and max_tokens < 0:
+        max_tokens = None  # llama.cpp's n_predict -1: until end of sequence or context
     tools, parse_tools = _tools(body)
     request = GenerationRequest(
         request_id=new_id("chatcmpl"),
         prompt=ChatPrompt(messages=_messages(body.messages), tools=tools),
         parse_tools=parse_tools,
         single_tool_call=body.parallel_tool_calls is False,
-        sampling=_sampling(body.temperature, body.top_p, body.seed),
+        sampling=sampling_params(body, defaults, vocab_size),
         max_tokens=max_tokens,
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),
@@ -236,14 +231,19 @@ def _prompt(value: Any) -> Prompt:
     return TextPrompt(text=value)
 
 
-def completion_request(data: Any) -> tuple[CompletionBody, GenerationRequest]:
+def completion_request(
+    data: Any, defaults: SamplingParams = SamplingParams(), vocab_size: int | None = None
+) -> tuple[CompletionBody, GenerationRequest]:
     body = structure(data, CompletionBody)
     _n(body.n)
+    max_tokens = _first(body.max_tokens, body.n_predict)
+    if max_tokens is not None and max_tokens < 0:
+        max_tokens = None
     request = GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=_prompt(body.prompt),
-        sampling=_sampling(body.temperature, body.top_p, body.seed),
-        max_tokens=body.max_tokens,
+        sampling=sampling_params(body, defaults, vocab_size),
+        max_tokens=max_tokens,
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),
         cache_key=cache_key(body),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+
+import attrs
 import os
 from typing import Any
 
@@ -32,11 +34,13 @@ def _json(obj: object) -> Response:
 
 
 def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
+    s = ctx.settings.sampling
     return {
         "n_predict": ctx.settings.n_predict,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "seed": -1,
+        **{k: v for k, v in attrs.asdict(s).items() if k not in ("seed", "logit_bias")},
+        "dry_sequence_breakers": list(s.dry_sequence_breakers),
+        "logit_bias": [list(p) for p in s.logit_bias],
+        "seed": -1 if s.seed is None else s.seed,
         "stop": [],
         "ignore_eos": False,
         "stream": False,

@@ -27,12 +27,31 @@ FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 @attrs.frozen(kw_only=True)
 class SamplingParams:
-    """How to pick each next token. temperature 0 means greedy."""
+    """How to pick each next token: llama.cpp's sampler chain settings.
+
+    The defaults leave every stage off but temperature 1; the server's flags (--temp, --top-k,
+    ...) supply llama-server's defaults at the HTTP boundary.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
-    # None: draw from the process-wide generator; an int: a private, reproducible stream.
-    seed: int | None = None
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    typical_p: float = 1.0  # 1: off
+    top_n_sigma: float = 0.0  # 0: off (llama.cpp's -1 maps here)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 64  # repeat_last_n: -1 whole context, 0 off; all 3 penalties
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75  # below 1: off
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1 whole context, 0 off
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None  # None: the process-wide generator
 
 
 @attrs.frozen(kw_only=True)

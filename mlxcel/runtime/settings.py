@@ -7,6 +7,8 @@ from pathlib import Path
 
 import attrs
 
+from mlxcel.runtime.messages import SamplingParams
+
 
 def default_cache_dir() -> Path:
     """``$MLXCEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/mlxcel``, else ``~/.cache/mlxcel``."""
@@ -61,6 +63,8 @@ class Settings:
     cache_ram_mib: int = 8192
     # Largest JSON request body accepted; larger ones get 413.
     max_request_bytes: int = 2 * 1024 * 1024
+    # Defaults for request fields a client leaves out (llama-server's sampling defaults).
+    sampling: SamplingParams = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
     # llama-server's gates: /metrics off, /slots on, POST /props off by default.
     metrics_endpoint: bool = False
     slots_endpoint: bool = True

@@ -110,12 +110,15 @@ def test_sampling_fields_reach_the_server(managed: mlxcel.LLM) -> None:
         managed.generate("The", max_tokens=8, temperature=1.0, top_p=0.9, seed=3) for _ in range(2)
     ]
     assert seeded[0] == seeded[1]
-    # Knobs this server does not support yet are forwarded, and it names them in its 400.
-    for knob in ("top_k", "min_p", "repetition_penalty", "dry_multiplier", "made_up_knob"):
+    # llama-server knobs travel in extra_body and reach the sampler: top_k=1 is greedy.
+    greedy = managed.generate("The", max_tokens=8, temperature=0)
+    assert managed.generate("The", max_tokens=8, temperature=2.0, top_k=1) == greedy
+    knobs = {"min_p": 0.05, "repetition_penalty": 1.1, "dry_multiplier": 0.8, "typical_p": 0.9}
+    assert managed.chat(HELLO, max_tokens=2, **knobs) is not None
+    # The server names an out-of-range or unknown knob in its 400: proof it was forwarded.
+    for knob, value in (("top_k", -1), ("min_p", 2.0), ("made_up_knob", 1)):
         with pytest.raises(openai.BadRequestError, match=knob):
-            managed.generate("The", max_tokens=2, **{knob: 1})
-    with pytest.raises(openai.BadRequestError, match="top_k"):
-        managed.chat(HELLO, max_tokens=2, top_k=5)
+            managed.generate("The", max_tokens=2, **{knob: value})
 
 
 def test_explicit_extra_body_wins(managed: mlxcel.LLM) -> None:
@@ -206,7 +209,7 @@ def test_async_client(managed: mlxcel.LLM) -> None:
             out["text"] = await llm.detokenize(out["tokens"])
             out["models"] = await llm.models()
             try:
-                await llm.generate("x", top_k=2)
+                await llm.generate("x", top_k=-2)
             except openai.BadRequestError as error:
                 out["error"] = error.message
         out["closed"] = llm.closed
@@ -421,6 +424,6 @@ def test_python_client_doc_examples_run(
     out = capsys.readouterr().out
     assert "tiny-llama" in out  # llm.model of the first example
     assert "the server did not start: error: model path '/no/such/model' does not exist" in out
-    assert "400 Error code: 400 - Unsupported field 'top_k'" in out
+    assert "400 Error code: 400 - top_k must be >= 0" in out
     assert "CompletionUsage(" in out
     assert server_children() == before  # every managed example stopped its server

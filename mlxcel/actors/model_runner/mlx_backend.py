@@ -11,7 +11,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
-from mlxcel.actors.model_runner.sampling import make_sampler
+from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -50,6 +50,9 @@ class MlxBackend:
             prefill_batch_size=min(settings.parallel, 8),
             prefill_step_size=settings.prefill_chunk_size,
         )
+        self._vocab_size = int(loaded.vocab_size)
+        tok = loaded.tokenizer
+        self._encode = lambda s: list(tok.encode(s, add_special_tokens=False))
         self._eos_stop = StopSequences([[t] for t in sorted(loaded.eos_token_ids)])
         self._no_stop = StopSequences()
         self._rid_by_uid: dict[int, str] = {}
@@ -148,12 +151,17 @@ class MlxBackend:
             caches.append(cache)
             known.append(prompt[:n])
             cached.append((s.request_id, n))
+        chains = [
+            sampler_chain.build(s.sampling, vocab_size=self._vocab_size, encode=self._encode)
+            for s in inserts
+        ]
         uids = self._gen.insert(
             prompts,
             max_tokens=[s.max_tokens for s in inserts],
             caches=caches,
             all_tokens=known,
-            samplers=[make_sampler(s.sampling) for s in inserts],
+            samplers=[sampler for _, sampler in chains],
+            logits_processors=[processors for processors, _ in chains],
             stop_sequences=[self._no_stop if s.ignore_eos else self._eos_stop for s in inserts],
         )
         for uid, seq in zip(uids, inserts, strict=True):
