@@ -73,6 +73,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="requests waiting for a slot before new ones get 503 server_busy")
     opt("--prefill-chunk-size", env="LLAMA_ARG_PREFILL_CHUNK_SIZE", type=int,
         default=d.prefill_chunk_size, help="prompt tokens processed per step")
+    opt("--join-window", env="LLAMA_ARG_JOIN_WINDOW", type=float, default=d.join_window,
+        help="seconds a new request may wait so that arrivals join a running batch together "
+             "(each join copies the batch's KV cache); 0 = join at once")
     opt("--sse-ping-interval", env="LLAMA_ARG_SSE_PING_INTERVAL", type=float,
         default=d.sse_ping_interval, help="seconds between SSE keepalive comments; -1 = off")
     p.add_argument("--warmup", dest="warmup", action="store_true",
@@ -197,6 +200,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--n-predict": args.n_predict >= -1,
         "--port": 0 <= args.port <= 65535,
         "--cache-ram": args.cache_ram >= 0,
+        "--join-window": args.join_window >= 0,
         "--max-request-bytes": args.max_request_bytes >= 1024,
         "--embedding-batch-size": args.embedding_batch_size >= 1,
         "--embedding-max-length": args.embedding_max_length >= 0,
@@ -217,6 +221,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         parallel=args.parallel,
         max_queue_depth=args.max_queue_depth,
         prefill_chunk_size=args.prefill_chunk_size,
+        join_window=args.join_window,
         sse_ping_interval=args.sse_ping_interval,
         warmup=args.warmup,
         graceful_timeout=args.graceful_timeout,

@@ -113,6 +113,7 @@ async def serve(
             streamer=stream_tx,
             aborts=aborts,
             metrics=metrics,
+            join_window=settings.join_window,
         )
         await root.start(scheduler.run)
         tokenizer = TokenizerActor(

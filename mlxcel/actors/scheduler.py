@@ -46,8 +46,9 @@ class Scheduler:
         streamer: trio.MemorySendChannel[StreamerInbox],
         aborts: AbortBox,
         metrics: Metrics | None = None,
+        join_window: float = 0.0,
     ) -> None:
-        self._state = policy.SchedulerState(parallel=parallel)
+        self._state = policy.SchedulerState(parallel=parallel, join_window=join_window)
         self._inbox = inbox
         self._plans = plans
         self._outputs = outputs
@@ -108,7 +109,7 @@ class Scheduler:
         elif msg.slot.cancelled:
             msg.slot.reservation.release()
         else:
-            self._state.enqueue(msg)
+            self._state.enqueue(msg, time.monotonic())
 
     async def _decide(self) -> StepPlan:
         aborted = self._aborts.drain()
@@ -117,7 +118,7 @@ class Scheduler:
             for rid in aborted
             if (item := self._state.running.get(rid)) is not None and item.slot.cancelled
         )
-        decision = policy.plan(self._state, aborted)
+        decision = policy.plan(self._state, aborted, time.monotonic())
         self._metrics.aborts.inc(abandoned + len(decision.dropped))
         if log.isEnabledFor(logging.DEBUG) and (aborted or decision.started):
             log.debug(

@@ -31,6 +31,8 @@ class Settings:
     parallel: int = 4
     max_queue_depth: int = 32
     prefill_chunk_size: int = 512
+    # Seconds a request may wait for others to join the running batch with it (0 = never).
+    join_window: float = 0.5
     sse_ping_interval: float = 30.0
     warmup: bool = True
     graceful_timeout: float = 30.0

@@ -117,3 +117,17 @@ def test_priority_lanes_are_strict_and_fifo_within_a_lane() -> None:
         policy.complete(state, StepOutput(tokens=(TokenOut(rid, 1, "stop"),)))
         order.append(policy.plan(state, ()).plan.inserts[0].request_id)
     assert order == ["high1", "high2", "norm1", "norm2", "low1"]
+
+
+def test_join_window_groups_arrivals_into_the_running_batch() -> None:
+    state = policy.SchedulerState(parallel=4, join_window=0.5)
+    state.enqueue(item("a"), now=0.0)
+    assert [s.request_id for s in policy.plan(state, (), now=0.0).plan.inserts] == ["a"]  # idle: at once
+    state.enqueue(item("b"), now=1.0)
+    assert policy.plan(state, (), now=1.2).plan.inserts == ()  # waits for company
+    state.enqueue(item("c"), now=1.3)
+    assert [s.request_id for s in policy.plan(state, (), now=1.5).plan.inserts] == ["b", "c"]
+    for rid in "def":
+        state.enqueue(item(rid), now=2.0)
+    # Enough arrivals to fill every free slot: no reason to wait.
+    assert [s.request_id for s in policy.plan(state, (), now=2.0).plan.inserts] == ["d"]

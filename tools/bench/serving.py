@@ -266,11 +266,11 @@ class Server:
             return ""
 
 
-def ours(model: str, parallel: int, logdir: Path) -> Server:
+def ours(model: str, parallel: int, logdir: Path, extra: list[str] | None = None) -> Server:
     port = free_port()
     argv = [
         str(Path(PY).with_name("mlxcel")), "serve", "-m", model,
-        "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
+        "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel), *(extra or []),
     ]
     return Server("mlxcel", argv, port, logdir / "mlxcel.log")
 
@@ -576,6 +576,8 @@ def main() -> int:
                     help="use a quantised --model as is (mlxcel still dequantises it at load)")
     ap.add_argument("--parallel", type=int, default=None, help="mlxcel --parallel (default: max level)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["mlxcel", "mlx_lm", "raw"])
+    ap.add_argument("--mlxcel-arg", action="append", default=[], metavar="ARG",
+                    help="extra flag for `mlxcel serve` (repeatable), e.g. --mlxcel-arg=--cache-ram=0")
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--strict", action="store_true", help="exit 1 on token-count mismatches too")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -609,7 +611,7 @@ def main() -> int:
     for key, factory in (("mlxcel", ours), ("mlx_lm", mlx_lm_server)):
         if key in a.skip:
             continue
-        srv = factory(model, parallel, logdir)
+        srv = ours(model, parallel, logdir, a.mlxcel_arg) if key == "mlxcel" else factory(model, parallel, logdir)
         print(f"starting {srv.name} on :{srv.port}", flush=True)
         srv.start()
         try:

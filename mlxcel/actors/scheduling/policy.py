@@ -21,6 +21,10 @@ class SchedulerState:
     parallel: int
     waiting: deque[Tokenized] = attrs.field(factory=deque)
     running: dict[str, Tokenized] = attrs.field(factory=dict)
+    # Seconds a request may wait so that arrivals join the running batch together: every
+    # insertion copies the batch's KV cache, so one insertion of many beats many of one.
+    join_window: float = 0.0
+    arrived: dict[str, float] = attrs.field(factory=dict)
     # Slot positions as llama-server numbers them (/slots): the request id in each, or None.
     slots: list[str | None] = attrs.field()
 
@@ -37,8 +41,20 @@ class SchedulerState:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def enqueue(self, item: Tokenized) -> None:
+    def enqueue(self, item: Tokenized, now: float = 0.0) -> None:
         self.waiting.append(item)
+        self.arrived[item.request.request_id] = now
+
+    def may_join(self, now: float) -> bool:
+        """Start waiting requests now? Yes when idle, when they fill every free slot, or once
+        the oldest has waited out the join window."""
+        if not self.running or self.join_window <= 0:
+            return True
+        free = self.parallel - len(self.running)
+        if len(self.waiting) >= free:
+            return True
+        oldest = min(self.arrived[i.request.request_id] for i in self.waiting)
+        return now - oldest >= self.join_window
 
 
 @attrs.frozen
@@ -50,7 +66,7 @@ class Decision:
     started: tuple[Tokenized, ...]
 
 
-def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
+def plan(state: SchedulerState, aborted: Iterable[str], now: float = 0.0) -> Decision:
     aborted = set(aborted)
     removes = tuple(rid for rid in aborted if rid in state.running)
     for rid in removes:
@@ -60,14 +76,19 @@ def plan(state: SchedulerState, aborted: Iterable[str]) -> Decision:
     if dropped:
         state.waiting = deque(i for i in state.waiting if i.request.request_id not in aborted)
 
+    for item in dropped:
+        state.arrived.pop(item.request.request_id, None)
     started: list[Tokenized] = []
-    while state.waiting and len(state.running) < state.parallel:
+    # Decided once per plan: when the window opens, everyone waiting joins together.
+    join = bool(state.waiting) and state.may_join(now)
+    while join and state.waiting and len(state.running) < state.parallel:
         # Strict priority between lanes, FIFO within a lane (no ageing, as llama-server).
         best = min(range(len(state.waiting)), key=lambda i: state.waiting[i].request.priority)
         item = state.waiting[best]
         del state.waiting[best]
         state.running[item.request.request_id] = item
         state.slots[state.slots.index(None)] = item.request.request_id
+        state.arrived.pop(item.request.request_id, None)
         started.append(item)
 
     inserts = tuple(
