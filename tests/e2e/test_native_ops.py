@@ -283,3 +283,35 @@ def test_api_prefix(tiny_model_dir: Path) -> None:
         assert httpx.get(f"{server.base_url}/v1/models").status_code == 404
     finally:
         server.stop()
+
+
+def test_infill_with_fim_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A tokenizer that has FIM tokens: /infill builds prefix-suffix-middle and generates."""
+    import shutil
+
+    fim_dir = tmp_path / "tiny-fim"
+    shutil.copytree(tiny_model_dir, fim_dir)
+    # Give three unused special tokens (ids 3-5) the StarCoder FIM names, keeping the vocab size.
+    raw = (fim_dir / "tokenizer.json").read_text()
+    for old, new in (("<repo_name>", "<fim_prefix>"), ("<reponame>", "<fim_suffix>"), ("<file_sep>", "<fim_middle>")):
+        assert old in raw
+        raw = raw.replace(f'"{old}"', f'"{new}"')
+    (fim_dir / "tokenizer.json").write_text(raw)
+    for extra in fim_dir.glob("tokenizer_config.json"):
+        text = extra.read_text()
+        for old, new in (("<repo_name>", "<fim_prefix>"), ("<reponame>", "<fim_suffix>"), ("<file_sep>", "<fim_middle>")):
+            text = text.replace(f'"{old}"', f'"{new}"')
+        extra.write_text(text)
+    server = ServerProcess(["-m", str(fim_dir), "--no-warmup"])
+    try:
+        body = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4, "ignore_eos": True}
+        r = httpx.post(f"{server.base_url}/infill", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["tokens_predicted"] == 4
+        prefix_ids = httpx.post(f"{server.base_url}/tokenize", json={"content": body["input_prefix"]}).json()["tokens"]
+        suffix_ids = httpx.post(f"{server.base_url}/tokenize", json={"content": "\n"}).json()["tokens"]
+        # <fim_prefix> prefix <fim_suffix> suffix <fim_middle>
+        assert out["tokens_evaluated"] == len(prefix_ids) + len(suffix_ids) + 3
+    finally:
+        server.stop()
