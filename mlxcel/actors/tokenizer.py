@@ -80,8 +80,10 @@ class TokenizerActor:
         """The exact text the model will read (the chat template applied)."""
         prompt = request.prompt
         match prompt:
-            case ChatPrompt(messages=messages, tools=tools):
-                extra = {"tools": list(tools)} if tools else {}
+            case ChatPrompt(messages=messages, tools=tools, template_kwargs=kwargs):
+                extra: dict[str, object] = dict(kwargs)
+                if tools:
+                    extra["tools"] = list(tools)
                 try:
                     return str(
                         self._tok.apply_chat_template(

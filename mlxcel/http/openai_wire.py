@@ -52,6 +52,8 @@ class ChatCompletionBody(SamplingFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: Any = None
 
 
 @attrs.frozen(kw_only=True)
@@ -171,7 +173,9 @@ def chat_request(
     tools, parse_tools = _tools(body)
     request = GenerationRequest(
         request_id=new_id("chatcmpl"),
-        prompt=ChatPrompt(messages=_messages(body.messages), tools=tools),
+        prompt=ChatPrompt(
+            messages=_messages(body.messages), tools=tools, template_kwargs=_template_kwargs(body)
+        ),
         parse_tools=parse_tools,
         single_tool_call=body.parallel_tool_calls is False,
         sampling=sampling_params(body, defaults, vocab_size),
@@ -182,6 +186,26 @@ def chat_request(
         logprobs=_chat_logprobs(body),
     )
     return body, request
+
+
+def _template_kwargs(body: ChatCompletionBody) -> tuple[tuple[str, object], ...]:
+    """`chat_template_kwargs` (e.g. enable_thinking) and `reasoning_effort`, given to the
+    template exactly as sent; a template that rejects a value makes the render fail (400)."""
+    kwargs: dict[str, object] = {}
+    if body.chat_template_kwargs is not None:
+        if not isinstance(body.chat_template_kwargs, dict) or not all(
+            isinstance(k, str) for k in body.chat_template_kwargs
+        ):
+            raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        reserved = {"messages", "tools", "add_generation_prompt"} & body.chat_template_kwargs.keys()
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
+            )
+        kwargs.update(body.chat_template_kwargs)
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+    return tuple(sorted(kwargs.items()))
 
 
 MAX_TOOLS = 128

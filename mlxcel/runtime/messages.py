@@ -61,6 +61,8 @@ class ChatPrompt:
     messages: tuple[dict[str, object], ...]
     # Function tools offered to the model, passed to the template as `tools`.
     tools: tuple[dict[str, object], ...] | None = None
+    # Extra template variables (`chat_template_kwargs`, `reasoning_effort`), as (name, value).
+    template_kwargs: tuple[tuple[str, object], ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -258,3 +258,34 @@ async def test_reasoning_is_split_the_same_way_streamed_and_not(smollm_tokenizer
     deltas = [f["choices"][0]["delta"] for f in frames if f["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == whole["content"]
+
+
+async def test_template_kwargs_reach_the_chat_template(smollm_tokenizer: Any) -> None:
+    async with fake_server(smollm_tokenizer) as (client, _, _):
+        base = (await client.post("/apply-template", json=chat("hi"))).json()["prompt"]
+        # The SmolLM2 template has no variables for these: the render is unchanged, and accepted.
+        same = await client.post("/apply-template", json=chat("hi", reasoning_effort="low",
+                                                              chat_template_kwargs={"enable_thinking": False}))
+        assert same.status_code == 200 and same.json()["prompt"] == base
+        bad = await client.post("/apply-template", json=chat("hi", chat_template_kwargs={"messages": []}))
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+
+
+def test_template_kwargs_are_passed_to_jinja(smollm_tokenizer: Any) -> None:
+    from mlxcel.actors.tokenizer import TokenizerActor
+    from mlxcel.http.openai_wire import chat_request
+
+    class Recording:
+        def __init__(self) -> None:
+            self.kwargs: dict[str, Any] = {}
+
+        def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+            self.kwargs = kwargs
+            return "x"
+
+    tok = Recording()
+    actor = TokenizerActor.__new__(TokenizerActor)
+    actor._tok = tok  # only render() is exercised
+    _, gen = chat_request(chat("hi", reasoning_effort="high", chat_template_kwargs={"enable_thinking": True}))
+    actor.render(gen)
+    assert tok.kwargs["reasoning_effort"] == "high" and tok.kwargs["enable_thinking"] is True
