@@ -18,14 +18,21 @@ class IncrementalDetokenizer:
     sequence. Cost is bounded by the window, not the length of the output.
     """
 
-    def __init__(self, tokenizer: Any, context: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, context: Sequence[int] = (), hidden: frozenset[int] | None = None
+    ) -> None:
         self._tok = tokenizer
+        # Special tokens left out of the text; None hides them all. Output parsers need some
+        # special tokens kept as text (Llama's <|python_tag|>, Mistral's [TOOL_CALLS]).
+        self._hidden = hidden
         self._ids: list[int] = list(context[-_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+        if self._hidden is None:
+            return str(self._tok.decode(ids, skip_special_tokens=True))
+        return str(self._tok.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False))
 
     def add(self, token: int) -> str:
         self._ids.append(token)

@@ -33,6 +33,21 @@ from mlxcel.runtime.slot import AbortBox, OutputSlot, TokenLogprob
 log = logging.getLogger(__name__)
 
 
+# Special tokens that output parsers read, so they must reach the text.
+MARKERS = frozenset({
+    "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<tool_call>", "</tool_call>",
+    "<think>", "</think>",
+})
+
+
+def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:
+    """Ids of the special tokens to leave out of output text: all but the parsers' markers."""
+    added = getattr(tokenizer, "added_tokens_decoder", None)
+    if not isinstance(added, dict):
+        return None
+    return frozenset(i for i, t in added.items() if getattr(t, "special", False) and str(t) not in MARKERS)
+
+
 @attrs.define
 class _Stream:
     slot: OutputSlot
@@ -64,6 +79,7 @@ class Streamer:
         self._aborts = aborts
         self._reasoning = reasoning
         self._tool_format = tool_format
+        self._hidden = hidden_special_tokens(tokenizer)
         self._streams: dict[str, _Stream] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -100,7 +116,7 @@ class Streamer:
             parser = make_parser(self._tool_format)
         self._streams[msg.request_id] = _Stream(
             msg.slot,
-            IncrementalDetokenizer(self._tokenizer, msg.prompt_tail),
+            IncrementalDetokenizer(self._tokenizer, msg.prompt_tail, self._hidden),
             StopMatcher(msg.stop),
             splitter,
             parser,

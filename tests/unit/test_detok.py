@@ -63,3 +63,15 @@ def test_held_text_is_flushed_at_the_end() -> None:
     m = StopMatcher(["xyz"])
     assert m.feed("abx") == ("ab", None)
     assert m.flush() == "x"
+
+
+def test_special_tokens_are_hidden_except_the_parsers_markers(smollm_tokenizer: Any) -> None:
+    from mlxcel.actors.streamer import hidden_special_tokens
+
+    hidden = hidden_special_tokens(smollm_tokenizer)
+    assert hidden is not None and 1 in hidden  # <|im_start|> is not a marker: hidden
+    ids = [1, *smollm_tokenizer.encode("Hello", add_special_tokens=False)]
+    detok = IncrementalDetokenizer(smollm_tokenizer, hidden=hidden)
+    assert "".join(detok.add(t) for t in ids) + detok.flush() == "Hello"
+    keep_im_start = IncrementalDetokenizer(smollm_tokenizer, hidden=hidden - {1})
+    assert "".join(keep_im_start.add(t) for t in ids) + keep_im_start.flush() == "<|im_start|>Hello"
