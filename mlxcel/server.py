@@ -18,14 +18,14 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from mlxcel.actors.admission import Admission
-from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.actors.toolcalls import detect as detect_tools
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
-from mlxcel.actors.side_models import GenerationDisabled, start_side_models
+from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.actors.scheduler import Scheduler
+from mlxcel.actors.side_models import GenerationDisabled, start_side_models
 from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
+from mlxcel.actors.toolcalls import detect as detect_tools
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
 from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
@@ -101,8 +101,13 @@ async def serve(
         reasoning = detect_reasoning(info.chat_template)
         await root.start(
             Streamer(
-                info.tokenizer, info.eos_token_ids, stream_rx, aborts, metrics,
-                reasoning=reasoning, tool_format=tool_format,
+                info.tokenizer,
+                info.eos_token_ids,
+                stream_rx,
+                aborts,
+                metrics,
+                reasoning=reasoning,
+                tool_format=tool_format,
             ).run
         )
         scheduler = Scheduler(
@@ -184,4 +189,3 @@ async def serve(
         await http_done.wait()
         log.info("stopped")
         root.cancel_scope.cancel()
-

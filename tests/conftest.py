@@ -100,7 +100,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(["-m", str(tiny_model_dir), "--parallel", "4", "--sse-ping-interval", "1"])
+    server = ServerProcess(
+        ["-m", str(tiny_model_dir), "--parallel", "4", "--sse-ping-interval", "1"]
+    )
     yield server
     server.stop()
 

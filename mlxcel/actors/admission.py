@@ -32,7 +32,9 @@ def validate(request: GenerationRequest) -> None:
 
 
 class Admission:
-    def __init__(self, *, max_queue_depth: int, outbox: trio.MemorySendChannel[Submit], aborts: AbortBox) -> None:
+    def __init__(
+        self, *, max_queue_depth: int, outbox: trio.MemorySendChannel[Submit], aborts: AbortBox
+    ) -> None:
         self._limiter = trio.CapacityLimiter(max_queue_depth)
         # Every item in the lane holds a reservation, so the lane can never be full.
         self._lane_tx, self._lane_rx = trio.open_memory_channel[Submit](max_queue_depth)

@@ -32,7 +32,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self._hidden is None:
             return str(self._tok.decode(ids, skip_special_tokens=True))
-        return str(self._tok.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False))
+        return str(
+            self._tok.decode([i for i in ids if i not in self._hidden], skip_special_tokens=False)
+        )
 
     def add(self, token: int) -> str:
         self._ids.append(token)

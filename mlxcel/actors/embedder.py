@@ -163,7 +163,9 @@ class Embedder:
 
     # -- the actor ----------------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[EmbedderInfo] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[EmbedderInfo] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Load the model on a fresh thread, report ready, then serve jobs until cancelled.
 
         Cancellation reaches the thread at its next wait for a job; a micro-batch in progress
@@ -218,11 +220,17 @@ class Embedder:
             if not items:
                 self._finish(jobs[-1])
         order = sorted(
-            ((len(item.ids), j, i) for j, job in enumerate(jobs) for i, item in enumerate(job.items)),
+            (
+                (len(item.ids), j, i)
+                for j, job in enumerate(jobs)
+                for i, item in enumerate(job.items)
+            ),
         )
         for start in range(0, len(order), self.batch_size):
             chunk = [(j, i) for _, j, i in order[start : start + self.batch_size]]
-            chunk = [(j, i) for j, i in chunk if jobs[j].left > 0 and not jobs[j].message.reply.cancelled]
+            chunk = [
+                (j, i) for j, i in chunk if jobs[j].left > 0 and not jobs[j].message.reply.cancelled
+            ]
             if not chunk:
                 continue
             try:
@@ -232,7 +240,9 @@ class Embedder:
                 for j in {j for j, _ in chunk}:
                     if jobs[j].left > 0:
                         jobs[j].left = 0
-                        self._reply(jobs[j].message, error=InternalError(f"Forward failed: {error}"))
+                        self._reply(
+                            jobs[j].message, error=InternalError(f"Forward failed: {error}")
+                        )
                 continue
             for row, (j, i) in enumerate(chunk):
                 job = jobs[j]
@@ -252,7 +262,11 @@ class Embedder:
         self._reply(job.message, result=Embedded(values, counts))
 
     def _reply(
-        self, message: EmbedderInbox, *, result: Embedded | None = None, error: MlxcelError | None = None
+        self,
+        message: EmbedderInbox,
+        *,
+        result: Embedded | None = None,
+        error: MlxcelError | None = None,
     ) -> None:
         reply = message.reply
         if error is not None:
@@ -260,4 +274,3 @@ class Embedder:
         else:
             assert result is not None
             trio.from_thread.run_sync(reply.set_result, result)
-

@@ -164,7 +164,9 @@ class Scheduler:
         for t in output.tokens:
             if t.finish_reason is not None:
                 self._prefilled.pop(t.request_id, None)
-        self._metrics.record_step(seconds=seconds, busy=busy, prefill=prefill, decoded=len(output.tokens))
+        self._metrics.record_step(
+            seconds=seconds, busy=busy, prefill=prefill, decoded=len(output.tokens)
+        )
         finished = policy.complete(self._state, output)
         if finished and log.isEnabledFor(logging.DEBUG):
             log.debug("finished %s", finished)

@@ -34,10 +34,18 @@ log = logging.getLogger(__name__)
 
 
 # Special tokens that output parsers read, so they must reach the text.
-MARKERS = frozenset({
-    "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<tool_call>", "</tool_call>",
-    "<think>", "</think>",
-})
+MARKERS = frozenset(
+    {
+        "<|python_tag|>",
+        "[TOOL_CALLS]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "<tool_call>",
+        "</tool_call>",
+        "<think>",
+        "</think>",
+    }
+)
 
 
 def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:
@@ -45,7 +53,9 @@ def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:
     added = getattr(tokenizer, "added_tokens_decoder", None)
     if not isinstance(added, dict):
         return None
-    return frozenset(i for i, t in added.items() if getattr(t, "special", False) and str(t) not in MARKERS)
+    return frozenset(
+        i for i, t in added.items() if getattr(t, "special", False) and str(t) not in MARKERS
+    )
 
 
 @attrs.define

@@ -91,7 +91,9 @@ class TokenizerActor:
                         )
                     )
                 except Exception as error:  # jinja raises plain exceptions for template errors
-                    raise InvalidRequest(f"The chat template could not render these messages: {error}") from error
+                    raise InvalidRequest(
+                        f"The chat template could not render these messages: {error}"
+                    ) from error
             case TextPrompt(text=text):
                 return text
             case TokensPrompt(tokens=tokens):
@@ -112,7 +114,11 @@ class TokenizerActor:
         tokens: list[int] = list(self._tok.encode(text, add_special_tokens=add_special))
         if not tokens:
             # Unconditional generation from an empty prompt starts from BOS (or EOS, as GPT-2).
-            start = self._tok.bos_token_id if self._tok.bos_token_id is not None else self._tok.eos_token_id
+            start = (
+                self._tok.bos_token_id
+                if self._tok.bos_token_id is not None
+                else self._tok.eos_token_id
+            )
             tokens = [int(start)]
         return tokens
 

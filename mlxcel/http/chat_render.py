@@ -45,7 +45,11 @@ def message(c: Collected) -> dict[str, Any]:
         msg["reasoning_content"] = msg["reasoning"] = reasoning
     if calls:
         msg["tool_calls"] = [
-            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
             for call in calls
         ]
     return msg
@@ -65,9 +69,15 @@ def stream_choices(update: SlotUpdate, tok: Any, wants_logprobs: bool) -> list[d
         choice({"content": update.text}, update.logprobs)
     for event in update.tool_events:
         if isinstance(event, ToolCallStart):
-            call = {"index": event.index, "id": event.id, "type": "function",
-                    "function": {"name": event.name, "arguments": ""}}
+            call = {
+                "index": event.index,
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
             choice({"tool_calls": [call]})
         elif isinstance(event, ToolCallArgs):
-            choice({"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]})
+            choice(
+                {"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]}
+            )
     return out

@@ -65,7 +65,9 @@ class InfillBody(NativeCompletionBody):
 def _prompt(value: Any) -> Prompt:
     if isinstance(value, str):
         return TextPrompt(text=value)
-    if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
         return TokensPrompt(tokens=tuple(value))
     if isinstance(value, list) and len(value) == 1:
         return _prompt(value[0])
@@ -181,7 +183,9 @@ def _stream(ctx: ServerContext, slot: OutputSlot) -> Response:
                         "tokens_evaluated": slot.prompt_tokens,
                     }
                     if update.logprobs:
-                        frame["completion_probabilities"] = logprobs.native(ctx.info.tokenizer, update.logprobs)
+                        frame["completion_probabilities"] = logprobs.native(
+                            ctx.info.tokenizer, update.logprobs
+                        )
                     yield sse.data(frame)
                 if update.finish_reason is not None:
                     yield sse.data(final_object(ctx, slot, "", update.finish_reason))
@@ -206,11 +210,11 @@ async def infill() -> Response:
     vocab = tok.get_vocab()
     fim = next((names for names in FIM_TOKENS if all(n in vocab for n in names)), None)
     if fim is None:
-        raise NotSupported("This model has no fill-in-the-middle tokens, so /infill is not supported.")
+        raise NotSupported(
+            "This model has no fill-in-the-middle tokens, so /infill is not supported."
+        )
     pre, suf, mid = (vocab[n] for n in fim)
-    extra = "".join(
-        f"{e.get('filename', '')}\n{e.get('text', '')}" for e in body.input_extra or []
-    )
+    extra = "".join(f"{e.get('filename', '')}\n{e.get('text', '')}" for e in body.input_extra or [])
     ids = [pre, *tok.encode(extra + body.input_prefix, add_special_tokens=False), suf]
     ids += [*tok.encode(body.input_suffix, add_special_tokens=False), mid]
     prompt_text = body.prompt if isinstance(body.prompt, str) else ""

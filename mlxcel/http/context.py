@@ -14,9 +14,9 @@ from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import ToolFormat
+from mlxcel.runtime.errors import NotFound
 from mlxcel.runtime.messages import SchedulerInbox
 from mlxcel.runtime.metrics import Metrics
-from mlxcel.runtime.errors import NotFound
 from mlxcel.runtime.settings import Settings
 
 

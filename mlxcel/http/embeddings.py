@@ -131,9 +131,7 @@ def parse_inputs(value: Any, info: EmbedderInfo, key: str = "input") -> tuple[Em
                 )
             out.append(tuple(item))
         else:
-            raise InvalidRequest(
-                f"'{where}' must be a string or a list of token ids", param=key
-            )
+            raise InvalidRequest(f"'{where}' must be a string or a list of token ids", param=key)
     return tuple(out)
 
 
@@ -144,7 +142,9 @@ def _is_int(value: Any) -> bool:
 def _normalize_mode(value: int | None, ctx: ServerContext) -> int:
     mode = value if value is not None else ctx.settings.embd_normalize
     if mode < -1:
-        raise InvalidRequest("embd_normalize must be -1, 0, 1, 2 or a larger p", param="embd_normalize")
+        raise InvalidRequest(
+            "embd_normalize must be -1, 0, 1, 2 or a larger p", param="embd_normalize"
+        )
     return mode
 
 
@@ -245,7 +245,11 @@ async def native_embeddings() -> Response:
 def _text_of(value: Any) -> str | None:
     if isinstance(value, str):
         return value
-    if isinstance(value, dict) and set(value) <= {"text", "type"} and isinstance(value.get("text"), str):
+    if (
+        isinstance(value, dict)
+        and set(value) <= {"text", "type"}
+        and isinstance(value.get("text"), str)
+    ):
         return str(value["text"])
     return None
 

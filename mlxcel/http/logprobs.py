@@ -68,5 +68,7 @@ def native(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
         for token_id, logprob in e.top:
             t, b = _piece(tok, token_id)
             top.append({"id": token_id, "token": t, "bytes": b, "logprob": logprob})
-        out.append({"id": e.token, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top})
+        out.append(
+            {"id": e.token, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top}
+        )
     return out

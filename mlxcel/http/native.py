@@ -11,8 +11,8 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from mlxcel.actors.token_bytes import piece_for_json, token_bytes
 from mlxcel.actors.side_models import require_generation
+from mlxcel.actors.token_bytes import piece_for_json, token_bytes
 from mlxcel.http.context import server
 from mlxcel.http.openai import read_json
 from mlxcel.http.openai_wire import chat_request
@@ -53,7 +53,9 @@ async def tokenize() -> Response:
 
     def encode() -> list[int]:
         return list(
-            tok.encode(content, add_special_tokens=add_special, split_special_tokens=not parse_special)
+            tok.encode(
+                content, add_special_tokens=add_special, split_special_tokens=not parse_special
+            )
         )
 
     ids = await trio.to_thread.run_sync(encode)
@@ -68,7 +70,9 @@ async def tokenize() -> Response:
 async def detokenize() -> Response:
     body = await _object_body()
     ids = body.get("tokens", [])
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
         raise InvalidRequest("'tokens' must be a list of token ids", param="tokens")
     tok = server().info.tokenizer
     vocab = len(tok)

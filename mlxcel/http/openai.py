@@ -17,8 +17,8 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response, request
 
-from mlxcel.http import logprobs, sse
 from mlxcel.actors.side_models import require_generation
+from mlxcel.http import logprobs, sse
 from mlxcel.http.chat_render import Collected, message, stream_choices
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import side_model_entries
@@ -150,14 +150,29 @@ async def chat_completions() -> Response:
         def finish_choice(reason: str) -> dict[str, Any]:
             return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
 
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        first = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return _stream(
-            ctx, slot, base, lambda u: stream_choices(u, tok, wants_logprobs), finish_choice, first,
+            ctx,
+            slot,
+            base,
+            lambda u: stream_choices(u, tok, wants_logprobs),
+            finish_choice,
+            first,
             body.stream_options,
         )
     c = await _collect(slot)
     scores = logprobs.chat(tok, c.logprobs) if wants_logprobs else None
-    choice = {"index": 0, "message": message(c), "logprobs": scores, "finish_reason": c.finish_reason}
+    choice = {
+        "index": 0,
+        "message": message(c),
+        "logprobs": scores,
+        "finish_reason": c.finish_reason,
+    }
     return _json(
         {
             **base,
@@ -172,10 +187,17 @@ async def chat_completions() -> Response:
 async def completions() -> Response:
     ctx = server()
     require_generation(ctx.generation)
-    body, gen = completion_request(await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer))
+    body, gen = completion_request(
+        await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer)
+    )
     model = ctx.check_model(body.model)
     slot = await start_generation(ctx, gen)
-    base = {"id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": model}
+    base = {
+        "id": gen.request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+    }
     tok = ctx.info.tokenizer
     wants_logprobs = gen.logprobs is not None
     if body.stream:
@@ -199,7 +221,14 @@ async def completions() -> Response:
     return _json(
         {
             **base,
-            "choices": [{"index": 0, "text": text, "logprobs": legacy_scores, "finish_reason": c.finish_reason}],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": legacy_scores,
+                    "finish_reason": c.finish_reason,
+                }
+            ],
             "usage": _usage(slot, ctx),
         }
     )
@@ -221,12 +250,17 @@ async def models() -> Response:
     # Embedder / reranker entries follow; without a chat model only they are listed.
     data, listed = ([entry], [ollama]) if ctx.generation else ([], [])
     data += side_model_entries(ctx)
-    listed += [{"name": e["id"], "model": e["id"], "capabilities": e["capabilities"]} for e in data[len(listed):]]
+    listed += [
+        {"name": e["id"], "model": e["id"], "capabilities": e["capabilities"]}
+        for e in data[len(listed) :]
+    ]
     return _json({"object": "list", "data": data, "models": listed})
 
 
 def _json(obj: object, status: int = 200) -> Response:
-    return Response(json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json")
+    return Response(
+        json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json"
+    )
 
 
 __all__ = ["bp", "error_response"]

@@ -21,7 +21,15 @@ from mlxcel.runtime.messages import (
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 # Message keys passed on to the chat template as they are.
-MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"}
+MESSAGE_KEYS = {
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "reasoning_content",
+    "reasoning",
+}
 # Keys the official SDKs echo back from earlier responses; harmless when null.
 NULLABLE_ECHO_KEYS = {"refusal", "annotations", "audio", "function_call"}
 MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "video_url": "video", "file": "file"}
@@ -103,7 +111,9 @@ def _content(content: Any, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string, a list of content parts, or null", param=where)
+        raise InvalidRequest(
+            f"{where} must be a string, a list of content parts, or null", param=where
+        )
     texts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
@@ -158,12 +168,16 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
     return tuple(out)
 
 
+# Requests parsed outside a server (tests, tools) start from mlx-lm-like plain sampling.
+PLAIN_SAMPLING = SamplingParams()
+
+
 def _first(*values: int | None) -> int | None:
     return next((v for v in values if v is not None), None)
 
 
 def chat_request(
-    data: Any, defaults: SamplingParams = SamplingParams(), vocab_size: int | None = None
+    data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(data, ChatCompletionBody)
     _n(body.n)
@@ -196,7 +210,9 @@ def _template_kwargs(body: ChatCompletionBody) -> tuple[tuple[str, object], ...]
         if not isinstance(body.chat_template_kwargs, dict) or not all(
             isinstance(k, str) for k in body.chat_template_kwargs
         ):
-            raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+            raise InvalidRequest(
+                "chat_template_kwargs must be an object", param="chat_template_kwargs"
+            )
         reserved = {"messages", "tools", "add_generation_prompt"} & body.chat_template_kwargs.keys()
         if reserved:
             raise InvalidRequest(
@@ -231,7 +247,8 @@ def _tools(body: ChatCompletionBody) -> tuple[tuple[dict[str, object], ...] | No
     if choice not in ("auto", "none"):
         # "required" and a named tool must be enforced, which needs constrained decoding.
         raise UnsupportedField(
-            "tool_choice", "only 'auto' and 'none' are supported (forcing a call needs constrained decoding)"
+            "tool_choice",
+            "only 'auto' and 'none' are supported (forcing a call needs constrained decoding)",
         )
     return tuple(body.tools), choice == "auto"
 
@@ -256,7 +273,7 @@ def _prompt(value: Any) -> Prompt:
 
 
 def completion_request(
-    data: Any, defaults: SamplingParams = SamplingParams(), vocab_size: int | None = None
+    data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
 ) -> tuple[CompletionBody, GenerationRequest]:
     body = structure(data, CompletionBody)
     _n(body.n)

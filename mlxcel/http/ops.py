@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-
-import attrs
 import os
 from typing import Any
 
+import attrs
 from quart import Blueprint, Response, request
 
 from mlxcel import __version__

@@ -44,9 +44,19 @@ class SamplingFields:
 
 
 _SAME = (
-    "temperature", "top_p", "top_k", "min_p", "typical_p", "top_n_sigma", "xtc_probability",
-    "xtc_threshold", "presence_penalty", "frequency_penalty", "dry_multiplier",
-    "dry_allowed_length", "dry_penalty_last_n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "typical_p",
+    "top_n_sigma",
+    "xtc_probability",
+    "xtc_threshold",
+    "presence_penalty",
+    "frequency_penalty",
+    "dry_multiplier",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
 )
 
 
@@ -64,7 +74,9 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         try:
             token_id = int(token)
         except (TypeError, ValueError):
-            raise InvalidRequest(f"logit_bias key {token!r} is not a token id", param="logit_bias") from None
+            raise InvalidRequest(
+                f"logit_bias key {token!r} is not a token id", param="logit_bias"
+            ) from None
         if bias is False:
             bias = -math.inf
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
@@ -79,7 +91,10 @@ def sampling_params(
     values: dict[str, Any] = {f: getattr(body, f) for f in _SAME if getattr(body, f) is not None}
     # Errors name the field as the client spelled it.
     spelled: dict[str, str] = {}
-    for name, alias in (("repetition_penalty", "repeat_penalty"), ("repetition_context_size", "repeat_last_n")):
+    for name, alias in (
+        ("repetition_penalty", "repeat_penalty"),
+        ("repetition_context_size", "repeat_last_n"),
+    ):
         if getattr(body, name) is not None:
             values[name] = getattr(body, name)
         elif getattr(body, alias) is not None:
@@ -92,7 +107,11 @@ def sampling_params(
         values["dry_base"] = body.dry_base if body.dry_base >= 1.0 else defaults.dry_base
     if body.dry_sequence_breakers is not None:
         breakers = body.dry_sequence_breakers
-        if not isinstance(breakers, list) or not all(isinstance(b, str) and b for b in breakers) or not breakers:
+        if (
+            not isinstance(breakers, list)
+            or not all(isinstance(b, str) and b for b in breakers)
+            or not breakers
+        ):
             raise InvalidRequest(
                 "dry_sequence_breakers must be a non-empty list of non-empty strings",
                 param="dry_sequence_breakers",

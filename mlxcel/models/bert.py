@@ -40,11 +40,22 @@ class BertConfig:
 # erf as a rational function of x^2 (Eigen's float32 erf, clamped to [-4, 4] where erf is +-1
 # in float32): only multiply-adds and one divide. mlx's CPU erf / tanh / exp are scalar loops,
 # ~10x slower than this, and GELU runs over the 4x-wide hidden state of every layer.
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
-          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
-          -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
-          -7.37332916720468e-03, -1.42647390514189e-02)
+_ERF_P = (
+    -2.72614225801306e-10,
+    2.77068142495902e-08,
+    -2.10102402082508e-06,
+    -5.69250639462346e-05,
+    -7.34990630326855e-04,
+    -2.95459980854025e-03,
+    -1.60960333262415e-02,
+)
+_ERF_Q = (
+    -1.45660718464996e-05,
+    -2.13374055278905e-04,
+    -1.68282697438203e-03,
+    -7.37332916720468e-03,
+    -1.42647390514189e-02,
+)
 
 
 def _gelu_rational(x: mx.array) -> mx.array:

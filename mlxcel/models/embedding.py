@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from mlxcel.actors.embedder import EmbedderInfo, Encoded
-from mlxcel.models.errors import ModelNotFound, UnsupportedModel
+from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.resolve import ResolvedModel, resolve_model
 
 __all__ = [
@@ -240,7 +240,9 @@ def load_embedder(
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
-        raise UnsupportedModel(f"cannot load the tokenizer of {resolved.model_id!r}: {exc}") from exc
+        raise UnsupportedModel(
+            f"cannot load the tokenizer of {resolved.model_id!r}: {exc}"
+        ) from exc
 
     model: Any
     if kind in ("encoder", "classifier"):
@@ -249,7 +251,9 @@ def load_embedder(
         classifier = kind == "classifier"
         model = bert.BertForSequenceClassification(config) if classifier else bert.BertModel(config)
         try:
-            model.load_weights(list(bert.sanitize(_load_weights(path), classifier=classifier).items()))
+            model.load_weights(
+                list(bert.sanitize(_load_weights(path), classifier=classifier).items())
+            )
         except ValueError as exc:
             raise UnsupportedModel(f"cannot load {resolved.model_id!r}: {exc}") from exc
         vocab, dim = config.vocab_size, config.hidden_size
@@ -295,7 +299,9 @@ def load_embedder(
     info = EmbedderInfo(
         model_id=resolved.model_id,
         path=path,
-        kind="classifier" if kind == "classifier" else ("encoder" if kind == "encoder" else "decoder"),
+        kind="classifier"
+        if kind == "classifier"
+        else ("encoder" if kind == "encoder" else "decoder"),
         dim=dim,
         vocab_size=vocab,
         max_length=min(limits) if limits else _DEFAULT_MAX_LENGTH,
@@ -313,4 +319,3 @@ def _flat(params: Any) -> list[tuple[str, Any]]:
     from mlx.utils import tree_flatten
 
     return list(tree_flatten(params))
-

@@ -15,9 +15,8 @@ import attrs
 if TYPE_CHECKING:
     import trio
 
-    from mlxcel.runtime.slot import OutputSlot
-
     from mlxcel.actors.embedder import EmbedReply
+    from mlxcel.runtime.slot import OutputSlot
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 

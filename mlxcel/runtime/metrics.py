@@ -52,23 +52,39 @@ class _Live(Collector):
             "mlxcel_batch_size", "Sequences in the running batch.", value=self.running()
         )
         s = self.cache()
-        yield CounterMetricFamily("mlxcel_prompt_cache_hits", "Prompt-cache lookups that reused KV.", value=s.hits)
-        yield CounterMetricFamily("mlxcel_prompt_cache_misses", "Prompt-cache lookups that found nothing.", value=s.misses)
-        yield CounterMetricFamily("mlxcel_prompt_cache_evictions", "Prompt-cache entries evicted.", value=s.evictions)
-        yield GaugeMetricFamily("mlxcel_prompt_cache_bytes", "Bytes held by the prompt cache.", value=s.nbytes)
-        yield GaugeMetricFamily("mlxcel_prompt_cache_entries", "Entries in the prompt cache.", value=s.entries)
+        yield CounterMetricFamily(
+            "mlxcel_prompt_cache_hits", "Prompt-cache lookups that reused KV.", value=s.hits
+        )
+        yield CounterMetricFamily(
+            "mlxcel_prompt_cache_misses", "Prompt-cache lookups that found nothing.", value=s.misses
+        )
+        yield CounterMetricFamily(
+            "mlxcel_prompt_cache_evictions", "Prompt-cache entries evicted.", value=s.evictions
+        )
+        yield GaugeMetricFamily(
+            "mlxcel_prompt_cache_bytes", "Bytes held by the prompt cache.", value=s.nbytes
+        )
+        yield GaugeMetricFamily(
+            "mlxcel_prompt_cache_entries", "Entries in the prompt cache.", value=s.entries
+        )
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r)
+        self.prompt_tokens = Counter(
+            "llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r
+        )
         self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt process time.", registry=r)
-        self.tokens_predicted = Counter("llamacpp:tokens_predicted", "Number of generation tokens processed.", registry=r)
+        self.tokens_predicted = Counter(
+            "llamacpp:tokens_predicted", "Number of generation tokens processed.", registry=r
+        )
         self.tokens_predicted_seconds = Counter(
             "llamacpp:tokens_predicted_seconds", "Predict process time.", registry=r
         )
-        self.n_decode = Counter("llamacpp:n_decode", "Total number of model steps (decode calls).", registry=r)
+        self.n_decode = Counter(
+            "llamacpp:n_decode", "Total number of model steps (decode calls).", registry=r
+        )
         self.n_busy_slots_per_decode = Gauge(
             "llamacpp:n_busy_slots_per_decode", "Average number of busy slots per step.", registry=r
         )
@@ -76,20 +92,34 @@ class Metrics:
             "llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.", registry=r
         )
         self.predicted_tokens_seconds = Gauge(
-            "llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.", registry=r
+            "llamacpp:predicted_tokens_seconds",
+            "Average generation throughput in tokens/s.",
+            registry=r,
         )
         self.live = _Live()
         r.register(self.live)
         self.steps = Counter("mlxcel_steps", "Model steps by kind.", ["kind"], registry=r)
-        self.prefill_tokens = Counter("mlxcel_prefill_tokens", "Prompt tokens prefilled (not from cache).", registry=r)
+        self.prefill_tokens = Counter(
+            "mlxcel_prefill_tokens", "Prompt tokens prefilled (not from cache).", registry=r
+        )
         self.decode_tokens = Counter("mlxcel_decode_tokens", "Tokens generated.", registry=r)
-        self.requests = Counter("mlxcel_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
-        self.aborts = Counter("mlxcel_aborts", "Requests abandoned by their client before finishing.", registry=r)
+        self.requests = Counter(
+            "mlxcel_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
+        self.aborts = Counter(
+            "mlxcel_aborts", "Requests abandoned by their client before finishing.", registry=r
+        )
         self.ttft = Histogram(
-            "mlxcel_time_to_first_token_seconds", "Submit to first token.", buckets=_LATENCY_BUCKETS, registry=r
+            "mlxcel_time_to_first_token_seconds",
+            "Submit to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.inter_token = Histogram(
-            "mlxcel_inter_token_seconds", "Gap between a request's tokens.", buckets=_ITL_BUCKETS, registry=r
+            "mlxcel_inter_token_seconds",
+            "Gap between a request's tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
         )
         # Running sums behind the average gauges (prometheus counters are write-only).
         self._steps = 0

@@ -158,7 +158,7 @@ class OutputSlot:
             raise self._error
         return self.prompt_tokens
 
-    async def next(self, timeout: float = math.inf) -> SlotUpdate | None:
+    async def next(self, timeout: float = math.inf) -> SlotUpdate | None:  # noqa: ASYNC109 - a timeout that returns None (keepalive due) is the point, not a cancel
         """Everything produced since the last call, or None when ``timeout`` passes first.
 
         Raises the request's error. After the finishing update, further calls raise

@@ -16,7 +16,9 @@ import trio
 log = logging.getLogger(__name__)
 
 
-async def wait_for_stop_signal(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def wait_for_stop_signal(
+    *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Return at the first SIGINT or SIGTERM (installed before ``started`` is reported)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()

@@ -15,14 +15,20 @@ from tests.conftest import ServerProcess
 
 @pytest.fixture(scope="module")
 def smollm_server() -> Iterator[ServerProcess]:
-    server = ServerProcess(["--parallel", "1", "--prefill-chunk-size", "64", "-c", "8192", "--metrics"])
+    server = ServerProcess(
+        ["--parallel", "1", "--prefill-chunk-size", "64", "-c", "8192", "--metrics"]
+    )
     yield server
     server.stop()
 
 
 def test_embedded_default_answers_paris(smollm_server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=f"{smollm_server.base_url}/v1", api_key="x", max_retries=0,
-                           _strict_response_validation=True)
+    client = openai.OpenAI(
+        base_url=f"{smollm_server.base_url}/v1",
+        api_key="x",
+        max_retries=0,
+        _strict_response_validation=True,
+    )
     r = client.chat.completions.create(
         model="default",
         messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -44,8 +50,12 @@ def test_disconnect_during_long_prefill_stops_the_prefill(smollm_server: ServerP
     url = f"{smollm_server.base_url}/v1/chat/completions"
     long_prompt = " ".join(f"item{i}" for i in range(1500))  # ~6900 tokens: ~110 chunks of 64
     before = prompt_tokens_processed(smollm_server)
-    body = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 4, "stream": True,
-            "cache_prompt": False}
+    body = {
+        "messages": [{"role": "user", "content": long_prompt}],
+        "max_tokens": 4,
+        "stream": True,
+        "cache_prompt": False,
+    }
     with httpx.stream("POST", url, json=body, timeout=120) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # role chunk: the prompt is now being prefilled
@@ -56,7 +66,9 @@ def test_disconnect_during_long_prefill_stops_the_prefill(smollm_server: ServerP
         time.sleep(0.05)
     done = prompt_tokens_processed(smollm_server) - before
     time.sleep(1.0)
-    assert prompt_tokens_processed(smollm_server) - before == done, "prefill went on after the abort"
+    assert prompt_tokens_processed(smollm_server) - before == done, (
+        "prefill went on after the abort"
+    )
     assert done < 6000, f"{done} prompt tokens were processed: the prefill was not cut short"
     # The freed slot serves the next request.
     short = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

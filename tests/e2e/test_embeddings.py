@@ -24,11 +24,23 @@ RERANK_PATHS = ["/rerank", "/reranking", "/v1/rerank", "/v1/reranking"]
 
 
 @pytest.fixture(scope="module")
-def side_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def side_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     reranker = build_tiny_reranker(tmp_path_factory.mktemp("models") / "tiny-reranker")
     server = ServerProcess(
-        ["-m", str(tiny_model_dir), "--embedding-model", MINILM, "--reranker-model", str(reranker),
-         "--embedding-queue-depth", "2", "--sse-ping-interval", "1"]
+        [
+            "-m",
+            str(tiny_model_dir),
+            "--embedding-model",
+            MINILM,
+            "--reranker-model",
+            str(reranker),
+            "--embedding-queue-depth",
+            "2",
+            "--sse-ping-interval",
+            "1",
+        ]
     )
     yield server
     server.stop()
@@ -57,13 +69,17 @@ def test_openai_sdk_float_and_base64_agree_and_match_the_published_cosine(client
     texts = ["A man is eating food.", "A man is eating a piece of bread."]
     floats = client.embeddings.create(model=MINILM, input=texts, encoding_format="float")
     assert [d.index for d in floats.data] == [0, 1] and len(floats.data[0].embedding) == 384
-    assert _cos(floats.data[0].embedding, floats.data[1].embedding) == pytest.approx(0.755, abs=0.003)
+    assert _cos(floats.data[0].embedding, floats.data[1].embedding) == pytest.approx(
+        0.755, abs=0.003
+    )
     # [CLS] a man is eating food . [SEP] = 8; the second: 11 -- real tokens, no padding.
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == 19
     assert floats.model == MINILM
     default = client.embeddings.create(model=MINILM, input=texts)  # newer SDKs ask for base64
     np.testing.assert_allclose(default.data[1].embedding, floats.data[1].embedding, atol=1e-6)
-    raw = client.embeddings.with_raw_response.create(model=MINILM, input="hi", encoding_format="base64")
+    raw = client.embeddings.with_raw_response.create(
+        model=MINILM, input="hi", encoding_format="base64"
+    )
     b64 = raw.http_response.json()["data"][0]["embedding"]
     vec = np.frombuffer(base64.b64decode(b64), dtype="<f4")
     assert vec.shape == (384,) and np.linalg.norm(vec) == pytest.approx(1.0, abs=1e-5)
@@ -74,7 +90,9 @@ def test_token_ids_and_dimensions(side_server: ServerProcess) -> None:
     text = httpx.post(url, json={"input": "hello world"}).json()
     ids = httpx.post(url, json={"input": [[101, 7592, 2088, 102]]}).json()
     np.testing.assert_allclose(text["data"][0]["embedding"], ids["data"][0]["embedding"], atol=1e-5)
-    short = httpx.post(url, json={"input": "hello world", "dimensions": 8}).json()["data"][0]["embedding"]
+    short = httpx.post(url, json={"input": "hello world", "dimensions": 8}).json()["data"][0][
+        "embedding"
+    ]
     assert len(short) == 8 and np.linalg.norm(short) == pytest.approx(1.0, abs=1e-5)
     full = np.asarray(text["data"][0]["embedding"])[:8]
     np.testing.assert_allclose(short, full / np.linalg.norm(full), atol=1e-5)
@@ -96,7 +114,9 @@ def test_bad_embedding_requests_are_400_in_the_openai_envelope(
 ) -> None:
     r = httpx.post(f"{side_server.base_url}/v1/embeddings", json=body)
     assert r.status_code == 400
-    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+    assert (
+        r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+    )
 
 
 def test_native_embedding_routes_return_a_bare_nested_array(side_server: ServerProcess) -> None:
@@ -104,30 +124,46 @@ def test_native_embedding_routes_return_a_bare_nested_array(side_server: ServerP
         out = httpx.post(f"{side_server.base_url}{path}", json={"content": ["one", "two"]}).json()
         assert [e["index"] for e in out] == [0, 1]
         assert len(out[0]["embedding"]) == 1 and len(out[0]["embedding"][0]) == 384
-    raw = httpx.post(f"{side_server.base_url}/embedding", json={"input": "one", "embd_normalize": -1}).json()
+    raw = httpx.post(
+        f"{side_server.base_url}/embedding", json={"input": "one", "embd_normalize": -1}
+    ).json()
     assert np.linalg.norm(raw[0]["embedding"][0]) > 1.5  # mean-pooled, not normalised
-    taxi = httpx.post(f"{side_server.base_url}/embedding", json={"input": "one", "embd_normalize": 1}).json()
+    taxi = httpx.post(
+        f"{side_server.base_url}/embedding", json={"input": "one", "embd_normalize": 1}
+    ).json()
     assert np.abs(taxi[0]["embedding"][0]).sum() == pytest.approx(1.0, abs=1e-4)
     r = httpx.post(f"{side_server.base_url}/embedding", json={})
-    assert r.status_code == 400 and '"input" or "content" must be provided' in r.json()["error"]["message"]
+    assert (
+        r.status_code == 400
+        and '"input" or "content" must be provided' in r.json()["error"]["message"]
+    )
 
 
 @pytest.mark.parametrize("path", RERANK_PATHS)
 def test_every_rerank_path_answers_both_envelopes(side_server: ServerProcess, path: str) -> None:
     docs = ["pizza", "the sky is blue", "pizza", "a long document about many things", "bread"]
     url = f"{side_server.base_url}{path}"
-    jina = httpx.post(url, json={"query": "food", "documents": docs, "top_n": 3, "return_documents": True}).json()
+    jina = httpx.post(
+        url, json={"query": "food", "documents": docs, "top_n": 3, "return_documents": True}
+    ).json()
     assert jina["object"] == "list" and jina["usage"]["prompt_tokens"] > 0
     results = jina["results"]
     assert len(results) == 3
     keys = [(-r["relevance_score"], r["index"]) for r in results]
     assert keys == sorted(keys)
-    assert all(0 <= r["relevance_score"] <= 1 and r["document"]["text"] == docs[r["index"]] for r in results)
+    assert all(
+        0 <= r["relevance_score"] <= 1 and r["document"]["text"] == docs[r["index"]]
+        for r in results
+    )
     tei = httpx.post(url, json={"query": "food", "texts": docs, "return_text": True}).json()
     assert isinstance(tei, list) and len(tei) == 5
-    assert [(-t["score"], t["index"]) for t in tei] == sorted((-t["score"], t["index"]) for t in tei)
-    assert {t["index"]: t["score"] for t in tei} == pytest.approx({r["index"]: r["relevance_score"] for r in results} | {
-        t["index"]: t["score"] for t in tei if t["index"] not in {r["index"] for r in results}})
+    assert [(-t["score"], t["index"]) for t in tei] == sorted(
+        (-t["score"], t["index"]) for t in tei
+    )
+    assert {t["index"]: t["score"] for t in tei} == pytest.approx(
+        {r["index"]: r["relevance_score"] for r in results}
+        | {t["index"]: t["score"] for t in tei if t["index"] not in {r["index"] for r in results}}
+    )
     assert all(t["text"] == docs[t["index"]] for t in tei)
     plain = httpx.post(url, json={"query": "food", "texts": docs}).json()
     assert "text" not in plain[0]
@@ -135,10 +171,12 @@ def test_every_rerank_path_answers_both_envelopes(side_server: ServerProcess, pa
 
 def test_rerank_shape_errors(side_server: ServerProcess) -> None:
     url = f"{side_server.base_url}/v1/rerank"
-    cases = [({"documents": ["a"]}, '"query" must be provided'),
-             ({"query": 3, "documents": ["a"]}, '"query" must be a string'),
-             ({"query": "q", "documents": []}, '"documents" must be a non-empty string array'),
-             ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n")]
+    cases = [
+        ({"documents": ["a"]}, '"query" must be provided'),
+        ({"query": 3, "documents": ["a"]}, '"query" must be a string'),
+        ({"query": "q", "documents": []}, '"documents" must be a non-empty string array'),
+        ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+    ]
     for body, needle in cases:
         r = httpx.post(url, json=body)
         assert r.status_code == 400 and needle in r.json()["error"]["message"]
@@ -172,7 +210,9 @@ async def test_a_full_embedding_queue_is_503_server_busy(side_server: ServerProc
     assert statuses.count(503) >= 1 and statuses.count(200) >= 3
 
 
-async def test_a_long_embedding_batch_does_not_stall_a_chat_stream(side_server: ServerProcess) -> None:
+async def test_a_long_embedding_batch_does_not_stall_a_chat_stream(
+    side_server: ServerProcess,
+) -> None:
     big = [f"another sentence number {i} for the embedding worker to chew on" for i in range(300)]
     gaps: list[float] = []
     embed_window: list[float] = []
@@ -185,8 +225,13 @@ async def test_a_long_embedding_batch_does_not_stall_a_chat_stream(side_server: 
             embed_window.extend([start, time.monotonic()])
 
         async def chat() -> None:
-            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 120, "stream": True,
-                    "temperature": 0, "ignore_eos": True}
+            body = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 120,
+                "stream": True,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             last = None
             seen = 0
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -214,18 +259,31 @@ async def test_a_long_embedding_batch_does_not_stall_a_chat_stream(side_server: 
 
 def test_embedding_only_mode_serves_embeddings_and_cosine_rerank(embed_only: ServerProcess) -> None:
     base = embed_only.base_url
-    r = httpx.post(f"{base}/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "x", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_implemented"
     assert httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}).status_code == 501
     models = httpx.get(f"{base}/v1/models").json()["data"]
     assert [(m["id"], m["capabilities"], m["meta"]["rerank"]) for m in models] == [
         (MINILM, ["embedding", "rerank"], "embedding_cosine")
     ]
-    out = httpx.post(f"{base}/v1/rerank", json={"query": "What is he eating?",
-                                                 "documents": ["The sky is blue.", "A man is eating bread."]}).json()
+    out = httpx.post(
+        f"{base}/v1/rerank",
+        json={
+            "query": "What is he eating?",
+            "documents": ["The sky is blue.", "A man is eating bread."],
+        },
+    ).json()
     assert [r["index"] for r in out["results"]] == [1, 0]
-    vecs = httpx.post(f"{base}/v1/embeddings", json={"input": ["A man is eating food.", "A man is eating a piece of bread."]}).json()
-    assert _cos(vecs["data"][0]["embedding"], vecs["data"][1]["embedding"]) == pytest.approx(0.755, abs=0.003)
+    vecs = httpx.post(
+        f"{base}/v1/embeddings",
+        json={"input": ["A man is eating food.", "A man is eating a piece of bread."]},
+    ).json()
+    assert _cos(vecs["data"][0]["embedding"], vecs["data"][1]["embedding"]) == pytest.approx(
+        0.755, abs=0.003
+    )
 
 
 def test_decoder_model_as_embedder_uses_last_token_pooling(tiny_model_dir: Path) -> None:
@@ -240,9 +298,13 @@ def test_decoder_model_as_embedder_uses_last_token_pooling(tiny_model_dir: Path)
     expected = np.array(hidden[0, -1].tolist())
     expected /= np.linalg.norm(expected)
 
-    server = ServerProcess(["-m", str(tiny_model_dir), "--embedding-model", str(tiny_model_dir), "--no-warmup"])
+    server = ServerProcess(
+        ["-m", str(tiny_model_dir), "--embedding-model", str(tiny_model_dir), "--no-warmup"]
+    )
     try:
-        r = httpx.post(f"{server.base_url}/v1/embeddings", json={"input": [text, "something else"]}).json()
+        r = httpx.post(
+            f"{server.base_url}/v1/embeddings", json={"input": [text, "something else"]}
+        ).json()
         got = np.array(r["data"][0]["embedding"])
         assert got.shape == (64,)
         assert np.linalg.norm(got) == pytest.approx(1.0, abs=1e-4)

@@ -35,10 +35,14 @@ def single_slot_server(tiny_model_dir: Path) -> Any:
 def test_full_queue_is_503_before_any_byte(single_slot_server: ServerProcess) -> None:
     url = f"{single_slot_server.base_url}/v1/chat/completions"
     with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
-        with a.stream("POST", url, json=chat_body(stream=True, max_tokens=6000, ignore_eos=True)) as running:
+        with a.stream(
+            "POST", url, json=chat_body(stream=True, max_tokens=6000, ignore_eos=True)
+        ) as running:
             running_lines = running.iter_lines()  # keep a reference: dropping it disconnects
             next(running_lines)  # the running request has its slot
-            with b.stream("POST", url, json=chat_body(stream=True, max_tokens=6000, ignore_eos=True)) as queued:
+            with b.stream(
+                "POST", url, json=chat_body(stream=True, max_tokens=6000, ignore_eos=True)
+            ) as queued:
                 assert queued.status_code == 200
                 queued_lines = queued.iter_lines()
                 next(queued_lines)  # role chunk: it is tokenized and waiting
@@ -54,7 +58,9 @@ def test_full_queue_is_503_before_any_byte(single_slot_server: ServerProcess) ->
 
 def test_disconnect_mid_stream_frees_the_slot(single_slot_server: ServerProcess) -> None:
     url = f"{single_slot_server.base_url}/v1/chat/completions"
-    with httpx.stream("POST", url, json=chat_body(stream=True, max_tokens=7000, ignore_eos=True), timeout=60) as r:
+    with httpx.stream(
+        "POST", url, json=chat_body(stream=True, max_tokens=7000, ignore_eos=True), timeout=60
+    ) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
@@ -80,7 +86,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_model_dir: Path) 
     result: dict[str, Any] = {}
 
     def in_flight() -> None:
-        result["r"] = httpx.post(url, json=chat_body(max_tokens=400, temperature=0, ignore_eos=True), timeout=60)
+        result["r"] = httpx.post(
+            url, json=chat_body(max_tokens=400, temperature=0, ignore_eos=True), timeout=60
+        )
 
     t = threading.Thread(target=in_flight)
     t.start()
@@ -148,10 +156,22 @@ def test_bad_model_path_is_a_clear_error_without_traceback(tmp_path: Path) -> No
 def test_help_lists_the_flags() -> None:
     for cmd in (["mlxcel", "serve", "--help"], ["mlxcel-server", "--help"]):
         exe = Path(sys.executable).parent / cmd[0]
-        out = subprocess.run([str(exe), *cmd[1:]], capture_output=True, text=True, timeout=60).stdout
-        for flag in ("--model", "--alias", "--ctx-size", "--n-predict", "--parallel", "--max-queue-depth",
-                     "--prefill-chunk-size", "--sse-ping-interval", "--no-warmup", "--graceful-timeout",
-                     "LLAMA_ARG_CTX_SIZE"):
+        out = subprocess.run(
+            [str(exe), *cmd[1:]], capture_output=True, text=True, timeout=60
+        ).stdout
+        for flag in (
+            "--model",
+            "--alias",
+            "--ctx-size",
+            "--n-predict",
+            "--parallel",
+            "--max-queue-depth",
+            "--prefill-chunk-size",
+            "--sse-ping-interval",
+            "--no-warmup",
+            "--graceful-timeout",
+            "LLAMA_ARG_CTX_SIZE",
+        ):
             assert flag in out, (cmd, flag)
 
 
@@ -164,7 +184,10 @@ def test_llama_arg_env_sets_the_alias(tiny_model_dir: Path) -> None:
     try:
         ids = [m["id"] for m in httpx.get(f"{server.base_url}/v1/models").json()["data"]]
         assert ids == ["my-alias"]
-        r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "my-alias", **chat_body(max_tokens=2)})
+        r = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"model": "my-alias", **chat_body(max_tokens=2)},
+        )
         assert r.status_code == 200 and r.json()["model"] == "my-alias"
     finally:
         server.stop()

@@ -15,7 +15,12 @@ MESSAGES: list[Any] = [{"role": "user", "content": "Say something"}]
 
 def test_chat_logprobs_have_bytes_and_the_sampled_token(openai_client: openai.OpenAI) -> None:
     r = openai_client.chat.completions.create(
-        model="default", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+        model="default",
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     lp = r.choices[0].logprobs
     assert lp is not None and lp.content is not None
@@ -33,19 +38,29 @@ def test_chat_logprobs_have_bytes_and_the_sampled_token(openai_client: openai.Op
 
 
 def test_streamed_logprobs_match_non_streamed(openai_client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": "default", "messages": MESSAGES, "max_tokens": 6, "temperature": 0,
-                          "logprobs": True, "top_logprobs": 2}
+    kw: dict[str, Any] = {
+        "model": "default",
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     whole = openai_client.chat.completions.create(**kw).choices[0].logprobs
     assert whole is not None and whole.content is not None
     streamed = []
     for chunk in openai_client.chat.completions.create(**kw, stream=True):
         if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
             streamed.extend(chunk.choices[0].logprobs.content)
-    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in whole.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in whole.content
+    ]
 
 
 def test_logprobs_without_top(openai_client: openai.OpenAI) -> None:
-    r = openai_client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=3, logprobs=True)
+    r = openai_client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=3, logprobs=True
+    )
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content and all(e.top_logprobs == [] for e in content)
     plain = openai_client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=3)
@@ -54,15 +69,26 @@ def test_logprobs_without_top(openai_client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(
     ("extra", "param"),
-    [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")],
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
 )
-def test_bad_logprob_requests_are_400(tiny_server: ServerProcess, extra: dict[str, Any], param: str) -> None:
-    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={"messages": MESSAGES, **extra})
+def test_bad_logprob_requests_are_400(
+    tiny_server: ServerProcess, extra: dict[str, Any], param: str
+) -> None:
+    r = httpx.post(
+        f"{tiny_server.base_url}/v1/chat/completions", json={"messages": MESSAGES, **extra}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
-def test_legacy_completion_logprobs(openai_client: openai.OpenAI, tiny_server: ServerProcess) -> None:
-    r = openai_client.completions.create(model="default", prompt="Hello", max_tokens=5, logprobs=2, temperature=0)
+def test_legacy_completion_logprobs(
+    openai_client: openai.OpenAI, tiny_server: ServerProcess
+) -> None:
+    r = openai_client.completions.create(
+        model="default", prompt="Hello", max_tokens=5, logprobs=2, temperature=0
+    )
     lp = r.choices[0].logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset or []) == 5

@@ -18,22 +18,31 @@ CHAT = {"messages": [{"role": "user", "content": "Hello there"}]}
 
 
 def test_native_completion_shape(tiny_server: ServerProcess) -> None:
-    r = httpx.post(f"{tiny_server.base_url}/completion", json={"prompt": "Once upon", "n_predict": 6, "ignore_eos": True})
+    r = httpx.post(
+        f"{tiny_server.base_url}/completion",
+        json={"prompt": "Once upon", "n_predict": 6, "ignore_eos": True},
+    )
     body = r.json()
     assert r.status_code == 200
     assert body["stop"] is True and body["stop_type"] == "limit" and body["stopping_word"] == ""
     assert body["tokens_predicted"] == 6
     assert body["tokens_evaluated"] > 0
     assert isinstance(body["content"], str) and body["content"]
-    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"} <= set(body["timings"])
+    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"} <= set(
+        body["timings"]
+    )
     assert body["generation_settings"]["n_ctx"] == 4096
 
 
 def test_native_completion_stop_word_and_token_prompt(tiny_server: ServerProcess) -> None:
     url = f"{tiny_server.base_url}/completion"
-    full = httpx.post(url, json={"prompt": [1, 2, 3], "n_predict": 20, "temperature": 0, "ignore_eos": True}).json()
+    full = httpx.post(
+        url, json={"prompt": [1, 2, 3], "n_predict": 20, "temperature": 0, "ignore_eos": True}
+    ).json()
     word = full["content"][4:7]
-    cut = httpx.post(url, json={"prompt": [1, 2, 3], "n_predict": 20, "temperature": 0, "stop": [word]}).json()
+    cut = httpx.post(
+        url, json={"prompt": [1, 2, 3], "n_predict": 20, "temperature": 0, "stop": [word]}
+    ).json()
     assert cut["stop_type"] == "word" and cut["stopping_word"] == word
     assert cut["content"] == full["content"][: full["content"].index(word)]
 
@@ -53,12 +62,20 @@ def test_tokenize_detokenize_round_trip(tiny_server: ServerProcess) -> None:
     text = "Hi 🎉 <|im_start|>"
     ids = httpx.post(f"{base}/tokenize", json={"content": text}).json()["tokens"]
     assert 1 in ids  # <|im_start|> parsed as the special token by default
-    literal = httpx.post(f"{base}/tokenize", json={"content": text, "parse_special": False}).json()["tokens"]
+    literal = httpx.post(f"{base}/tokenize", json={"content": text, "parse_special": False}).json()[
+        "tokens"
+    ]
     assert 1 not in literal
-    pieces = httpx.post(f"{base}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    pieces = httpx.post(f"{base}/tokenize", json={"content": text, "with_pieces": True}).json()[
+        "tokens"
+    ]
     assert [p["id"] for p in pieces] == ids
-    assert any(isinstance(p["piece"], list) for p in pieces), "emoji bytes split across tokens come back as byte lists"
-    raw = b"".join(bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces)
+    assert any(isinstance(p["piece"], list) for p in pieces), (
+        "emoji bytes split across tokens come back as byte lists"
+    )
+    raw = b"".join(
+        bytes(p["piece"]) if isinstance(p["piece"], list) else p["piece"].encode() for p in pieces
+    )
     assert raw.decode() == text
     assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json() == {"content": text}
     assert httpx.post(f"{base}/tokenize", json={}).json() == {"tokens": []}
@@ -70,12 +87,16 @@ def test_apply_template_and_input_tokens_match_generation(tiny_server: ServerPro
     prompt = httpx.post(f"{base}/apply-template", json=CHAT).json()["prompt"]
     assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")
     n = httpx.post(f"{base}/v1/chat/completions/input_tokens", json=CHAT).json()["input_tokens"]
-    usage = httpx.post(f"{base}/v1/chat/completions", json={**CHAT, "max_tokens": 1}).json()["usage"]
+    usage = httpx.post(f"{base}/v1/chat/completions", json={**CHAT, "max_tokens": 1}).json()[
+        "usage"
+    ]
     assert n == usage["prompt_tokens"]
 
 
 def test_infill_without_fim_tokens_is_501(tiny_server: ServerProcess) -> None:
-    r = httpx.post(f"{tiny_server.base_url}/infill", json={"input_prefix": "def f(", "input_suffix": "x"})
+    r = httpx.post(
+        f"{tiny_server.base_url}/infill", json={"input_prefix": "def f(", "input_suffix": "x"}
+    )
     assert r.status_code == 501
     assert r.json()["error"]["type"] == "not_supported_error"
 
@@ -116,8 +137,22 @@ def test_slots_busy_during_a_stream_and_idle_after_disconnect(tiny_server: Serve
 @pytest.fixture(scope="module")
 def ops_server(tiny_model_dir: Path) -> Any:
     server = ServerProcess(
-        ["-m", str(tiny_model_dir), "--metrics", "--parallel", "1", "--no-slots", "--props",
-         "--api-key", "k1,k2", "--api-key", "k3", "--no-warmup", "--max-request-bytes", "65536"]
+        [
+            "-m",
+            str(tiny_model_dir),
+            "--metrics",
+            "--parallel",
+            "1",
+            "--no-slots",
+            "--props",
+            "--api-key",
+            "k1,k2",
+            "--api-key",
+            "k3",
+            "--no-warmup",
+            "--max-request-bytes",
+            "65536",
+        ]
     )
     yield server
     server.stop()
@@ -141,12 +176,26 @@ def test_metrics_after_known_traffic(ops_server: ServerProcess) -> None:
 
     before = scrape()
     for _ in range(2):
-        httpx.post(f"{base}/v1/completions", json={"prompt": "Hello", "max_tokens": 7, "ignore_eos": True}, headers=auth())
+        httpx.post(
+            f"{base}/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 7, "ignore_eos": True},
+            headers=auth(),
+        )
     after = scrape()
-    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 14
+    assert (
+        after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 14
+    )
     assert after["llamacpp:prompt_tokens_total"] > before["llamacpp:prompt_tokens_total"]
-    assert after['mlxcel_requests_total{"finish_reason": "length"}'] - before.get('mlxcel_requests_total{"finish_reason": "length"}', 0) == 2
-    assert after["mlxcel_time_to_first_token_seconds_count"] - before.get("mlxcel_time_to_first_token_seconds_count", 0) == 2
+    assert (
+        after['mlxcel_requests_total{"finish_reason": "length"}']
+        - before.get('mlxcel_requests_total{"finish_reason": "length"}', 0)
+        == 2
+    )
+    assert (
+        after["mlxcel_time_to_first_token_seconds_count"]
+        - before.get("mlxcel_time_to_first_token_seconds_count", 0)
+        == 2
+    )
     assert after["llamacpp:requests_processing"] == 0
     assert "mlxcel_prompt_cache_misses_total" in after
     tic = time.perf_counter()
@@ -157,7 +206,9 @@ def test_metrics_after_known_traffic(ops_server: ServerProcess) -> None:
 def test_gated_slots_and_open_props(ops_server: ServerProcess) -> None:
     r = httpx.get(f"{ops_server.base_url}/slots", headers=auth())
     assert r.status_code == 501 and "--slots" in r.json()["error"]["message"]
-    assert httpx.post(f"{ops_server.base_url}/props", headers=auth(), json={}).json() == {"success": True}
+    assert httpx.post(f"{ops_server.base_url}/props", headers=auth(), json={}).json() == {
+        "success": True
+    }
 
 
 def _routes() -> list[tuple[str, str]]:
@@ -195,7 +246,9 @@ def test_every_non_public_route_needs_a_key(ops_server: ServerProcess) -> None:
         wrong = httpx.request(method, base + path, headers=auth("nope"), **kw)
         for r in (missing, wrong):
             assert r.status_code == 401, (method, path, r.status_code)
-            assert r.json() == {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
+            assert r.json() == {
+                "error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}
+            }
         for headers in (auth("k2"), {"X-Api-Key": "k3"}):
             ok = httpx.request(method, base + path, headers=headers, **kw)
             assert ok.status_code != 401, (method, path)
@@ -204,14 +257,19 @@ def test_every_non_public_route_needs_a_key(ops_server: ServerProcess) -> None:
 def test_cors_preflight_is_answered_before_auth(ops_server: ServerProcess) -> None:
     r = httpx.options(
         f"{ops_server.base_url}/v1/chat/completions",
-        headers={"Origin": "http://example.test", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization,content-type"},
+        headers={
+            "Origin": "http://example.test",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
     )
     assert r.status_code == 204
     assert r.headers["access-control-allow-origin"] == "*"
     assert "POST" in r.headers["access-control-allow-methods"]
     assert "Authorization" in r.headers["access-control-allow-headers"]
-    get = httpx.get(f"{ops_server.base_url}/v1/models", headers={**auth(), "Origin": "http://example.test"})
+    get = httpx.get(
+        f"{ops_server.base_url}/v1/models", headers={**auth(), "Origin": "http://example.test"}
+    )
     assert get.headers["access-control-allow-origin"] == "*"
 
 
@@ -237,9 +295,17 @@ def test_request_size_limit_is_configurable(ops_server: ServerProcess) -> None:
 
 
 def test_bad_priority_header_is_400(tiny_server: ServerProcess) -> None:
-    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}, headers={"X-Priority": "urgent"})
+    r = httpx.post(
+        f"{tiny_server.base_url}/v1/chat/completions",
+        json={**CHAT, "max_tokens": 1},
+        headers={"X-Priority": "urgent"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Priority"
-    ok = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={**CHAT, "max_tokens": 1}, headers={"X-Priority": "high"})
+    ok = httpx.post(
+        f"{tiny_server.base_url}/v1/chat/completions",
+        json={**CHAT, "max_tokens": 1},
+        headers={"X-Priority": "high"},
+    )
     assert ok.status_code == 200
 
 
@@ -250,7 +316,21 @@ def test_unix_socket_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     import sys
 
     sock = tmp_path / "mlxcel.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_model_dir), "--host", str(sock), "--port", "0", "--no-warmup"])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlxcel",
+            "serve",
+            "-m",
+            str(tiny_model_dir),
+            "--host",
+            str(sock),
+            "--port",
+            "0",
+            "--no-warmup",
+        ]
+    )
     try:
         transport = httpx.HTTPTransport(uds=str(sock))
         client = httpx.Client(transport=transport, base_url="http://localhost")
@@ -263,9 +343,15 @@ def test_unix_socket_server(tiny_model_dir: Path, tmp_path: Path) -> None:
         time.sleep(0.2)
         assert client.get("/health").status_code == 200
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
-        sdk = openai.OpenAI(base_url="http://localhost/v1", api_key="x", max_retries=0,
-                            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))))
-        r = sdk.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        sdk = openai.OpenAI(
+            base_url="http://localhost/v1",
+            api_key="x",
+            max_retries=0,
+            http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))),
+        )
+        r = sdk.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
         assert r.choices[0].message.content is not None
         sdk.close()
         client.close()
@@ -293,24 +379,41 @@ def test_infill_with_fim_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
     shutil.copytree(tiny_model_dir, fim_dir)
     # Give three unused special tokens (ids 3-5) the StarCoder FIM names, keeping the vocab size.
     raw = (fim_dir / "tokenizer.json").read_text()
-    for old, new in (("<repo_name>", "<fim_prefix>"), ("<reponame>", "<fim_suffix>"), ("<file_sep>", "<fim_middle>")):
+    for old, new in (
+        ("<repo_name>", "<fim_prefix>"),
+        ("<reponame>", "<fim_suffix>"),
+        ("<file_sep>", "<fim_middle>"),
+    ):
         assert old in raw
         raw = raw.replace(f'"{old}"', f'"{new}"')
     (fim_dir / "tokenizer.json").write_text(raw)
     for extra in fim_dir.glob("tokenizer_config.json"):
         text = extra.read_text()
-        for old, new in (("<repo_name>", "<fim_prefix>"), ("<reponame>", "<fim_suffix>"), ("<file_sep>", "<fim_middle>")):
+        for old, new in (
+            ("<repo_name>", "<fim_prefix>"),
+            ("<reponame>", "<fim_suffix>"),
+            ("<file_sep>", "<fim_middle>"),
+        ):
             text = text.replace(f'"{old}"', f'"{new}"')
         extra.write_text(text)
     server = ServerProcess(["-m", str(fim_dir), "--no-warmup"])
     try:
-        body = {"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n", "n_predict": 4, "ignore_eos": True}
+        body = {
+            "input_prefix": "def add(a, b):\n    return ",
+            "input_suffix": "\n",
+            "n_predict": 4,
+            "ignore_eos": True,
+        }
         r = httpx.post(f"{server.base_url}/infill", json=body)
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["tokens_predicted"] == 4
-        prefix_ids = httpx.post(f"{server.base_url}/tokenize", json={"content": body["input_prefix"]}).json()["tokens"]
-        suffix_ids = httpx.post(f"{server.base_url}/tokenize", json={"content": "\n"}).json()["tokens"]
+        prefix_ids = httpx.post(
+            f"{server.base_url}/tokenize", json={"content": body["input_prefix"]}
+        ).json()["tokens"]
+        suffix_ids = httpx.post(f"{server.base_url}/tokenize", json={"content": "\n"}).json()[
+            "tokens"
+        ]
         # <fim_prefix> prefix <fim_suffix> suffix <fim_middle>
         assert out["tokens_evaluated"] == len(prefix_ids) + len(suffix_ids) + 3
     finally:

@@ -66,7 +66,12 @@ def test_stream_ends_with_done(tiny_server: ServerProcess) -> None:
 
 
 def test_non_streaming_matches_streaming_under_greedy(openai_client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": "default", "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    kw: dict[str, Any] = {
+        "model": "default",
+        "messages": MESSAGES,
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     whole = openai_client.chat.completions.create(**kw).choices[0].message.content
     pieces = openai_client.chat.completions.create(**kw, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
@@ -77,15 +82,23 @@ def test_async_client_chat(tiny_server: ServerProcess) -> None:
     # Under asyncio, as AsyncOpenAI users run it.
     async def main() -> tuple[str | None, list[str]]:
         client = openai.AsyncOpenAI(
-            base_url=f"{tiny_server.base_url}/v1", api_key="x", max_retries=0,
+            base_url=f"{tiny_server.base_url}/v1",
+            api_key="x",
+            max_retries=0,
             _strict_response_validation=True,
         )
         async with client:
-            r = await client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=5)
+            r = await client.chat.completions.create(
+                model="default", messages=MESSAGES, max_tokens=5
+            )
             stream = await client.chat.completions.create(
                 model="default", messages=MESSAGES, max_tokens=5, stream=True
             )
-            texts = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
+            texts = [
+                c.choices[0].delta.content
+                async for c in stream
+                if c.choices and c.choices[0].delta.content
+            ]
         return r.choices[0].message.content, texts
 
     content, texts = asyncio.run(main())
@@ -93,7 +106,9 @@ def test_async_client_chat(tiny_server: ServerProcess) -> None:
     assert texts
 
 
-def test_completions_stream_and_non_stream(openai_client: openai.OpenAI, tiny_server: ServerProcess) -> None:
+def test_completions_stream_and_non_stream(
+    openai_client: openai.OpenAI, tiny_server: ServerProcess
+) -> None:
     r = openai_client.completions.create(model="default", prompt="Once upon a time", max_tokens=8)
     assert r.object == "text_completion"
     assert r.choices[0].finish_reason == "length"
@@ -107,7 +122,9 @@ def test_completions_stream_and_non_stream(openai_client: openai.OpenAI, tiny_se
         )
     )
     assert chunks[-1].choices[0].finish_reason == "length"
-    greedy = openai_client.completions.create(model="default", prompt="Once upon a time", max_tokens=8, temperature=0)
+    greedy = openai_client.completions.create(
+        model="default", prompt="Once upon a time", max_tokens=8, temperature=0
+    )
     assert "".join(c.choices[0].text for c in chunks) == greedy.choices[0].text
 
 
@@ -118,11 +135,18 @@ def test_models_list_and_model_names(openai_client: openai.OpenAI, tiny_model_di
         r = openai_client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=2)
         assert r.model == models[0].id
     with pytest.raises(openai.NotFoundError):
-        openai_client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
+        openai_client.chat.completions.create(
+            model="no-such-model", messages=MESSAGES, max_tokens=2
+        )
 
 
 def test_stop_string_is_cut(openai_client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"model": "default", "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    kw: dict[str, Any] = {
+        "model": "default",
+        "messages": MESSAGES,
+        "max_tokens": 24,
+        "temperature": 0,
+    }
     full = openai_client.chat.completions.create(**kw).choices[0].message.content
     assert full and len(full) > 6
     stop = full[3:6]
@@ -145,12 +169,21 @@ def test_stop_string_is_cut(openai_client: openai.OpenAI) -> None:
         ({"messages": [{"role": "user", "content": "   "}]}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                    }
+                ]
+            },
             "messages[0].content[0]",
         ),
     ],
 )
-def test_bad_fields_are_400_naming_the_field(tiny_server: ServerProcess, body: dict[str, Any], param: str) -> None:
+def test_bad_fields_are_400_naming_the_field(
+    tiny_server: ServerProcess, body: dict[str, Any], param: str
+) -> None:
     r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=body)
     assert r.status_code == 400
     error = r.json()["error"]
@@ -160,16 +193,28 @@ def test_bad_fields_are_400_naming_the_field(tiny_server: ServerProcess, body: d
 
 
 def test_image_part_message_says_image_input_is_not_supported(tiny_server: ServerProcess) -> None:
-    content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
-    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
+    content = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]
+    r = httpx.post(
+        f"{tiny_server.base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": content}]},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["message"] == "image input is not supported"
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", "{\"messages\": \"\xff\"}".encode("latin1")])
-def test_malformed_json_is_400_in_the_openai_envelope(tiny_server: ServerProcess, raw: bytes) -> None:
+@pytest.mark.parametrize(
+    "raw", [b"{not json", b"[1, 2]", b"", '{"messages": "\xff"}'.encode("latin1")]
+)
+def test_malformed_json_is_400_in_the_openai_envelope(
+    tiny_server: ServerProcess, raw: bytes
+) -> None:
     r = httpx.post(
-        f"{tiny_server.base_url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+        f"{tiny_server.base_url}/v1/chat/completions",
+        content=raw,
+        headers={"content-type": "application/json"},
     )
     assert r.status_code == 400
     assert r.headers["content-type"].startswith("application/json")

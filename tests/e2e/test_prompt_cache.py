@@ -24,7 +24,9 @@ def ask(client: openai.OpenAI, question: str, **extra: Any) -> Any:
     return r.usage
 
 
-def test_shared_prefix_is_reused_per_tenant(openai_client: openai.OpenAI, tiny_server: ServerProcess) -> None:
+def test_shared_prefix_is_reused_per_tenant(
+    openai_client: openai.OpenAI, tiny_server: ServerProcess
+) -> None:
     httpx.post(f"{tiny_server.base_url}/v1/cache/reset")
     cold = ask(openai_client, "first question?", prompt_cache_key="tenant-a")
     assert cold.prompt_tokens_details.cached_tokens == 0
@@ -34,7 +36,9 @@ def test_shared_prefix_is_reused_per_tenant(openai_client: openai.OpenAI, tiny_s
     assert warm.prompt_tokens_details.cached_tokens < warm.prompt_tokens
     other = ask(openai_client, "second question?", prompt_cache_key="tenant-b")
     assert other.prompt_tokens_details.cached_tokens == 0, "tenants must not share cache entries"
-    opted_out = ask(openai_client, "second question?", prompt_cache_key="tenant-a", cache_prompt=False)
+    opted_out = ask(
+        openai_client, "second question?", prompt_cache_key="tenant-a", cache_prompt=False
+    )
     assert opted_out.prompt_tokens_details.cached_tokens == 0
 
 
@@ -50,7 +54,9 @@ def test_exact_repeat_reuses_all_but_the_last_token(openai_client: openai.OpenAI
     assert again.prompt_tokens_details.cached_tokens == first.prompt_tokens - 1
 
 
-def test_cached_and_uncached_answers_are_the_same(openai_client: openai.OpenAI, tiny_server: ServerProcess) -> None:
+def test_cached_and_uncached_answers_are_the_same(
+    openai_client: openai.OpenAI, tiny_server: ServerProcess
+) -> None:
     def greedy(**extra: Any) -> str | None:
         r = openai_client.chat.completions.create(
             model="default",
@@ -74,7 +80,10 @@ def test_stats_and_reset(openai_client: openai.OpenAI, tiny_server: ServerProces
     assert stats["hits"] + stats["misses"] >= 1
     assert httpx.post(f"{tiny_server.base_url}/v1/cache/reset").json() == {"success": True}
     assert httpx.get(f"{tiny_server.base_url}/v1/cache/stats").json()["entries"] == 0
-    assert ask(openai_client, "fill", prompt_cache_key="stats").prompt_tokens_details.cached_tokens == 0
+    assert (
+        ask(openai_client, "fill", prompt_cache_key="stats").prompt_tokens_details.cached_tokens
+        == 0
+    )
 
 
 def test_cache_off_means_no_prompt_tokens_details(tiny_model_dir: Any) -> None:

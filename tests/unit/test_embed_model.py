@@ -38,12 +38,18 @@ def test_hub_id_resolves_to_the_packaged_copy_offline() -> None:
 def test_minilm_reproduces_the_published_cosine(minilm) -> None:  # type: ignore[no-untyped-def]
     info = minilm.info
     assert (info.dim, info.pooling, info.normalize, info.max_length) == (384, "mean", True, 256)
-    v = _unit(minilm.forward(minilm.encode_texts(["A man is eating food.", "A man is eating a piece of bread."])))
+    v = _unit(
+        minilm.forward(
+            minilm.encode_texts(["A man is eating food.", "A man is eating a piece of bread."])
+        )
+    )
     assert float(v[0] @ v[1]) == pytest.approx(0.755, abs=0.003)
 
 
 def test_padding_does_not_change_a_vector(minilm) -> None:  # type: ignore[no-untyped-def]
-    short, long = minilm.encode_texts(["Hi.", "A much longer sentence that needs many more tokens than the first."])
+    short, long = minilm.encode_texts(
+        ["Hi.", "A much longer sentence that needs many more tokens than the first."]
+    )
     alone = minilm.forward([short])[0]
     padded = minilm.forward([short, long])[0]
     np.testing.assert_allclose(alone, padded, atol=1e-5)

@@ -12,7 +12,13 @@ from mlxcel.http.embeddings import normalize, parse_inputs, rank
 from mlxcel.runtime.errors import InvalidRequest
 
 INFO = EmbedderInfo(
-    model_id="m", path=Path("/m"), kind="encoder", dim=4, vocab_size=100, max_length=8, pooling="mean"
+    model_id="m",
+    path=Path("/m"),
+    kind="encoder",
+    dim=4,
+    vocab_size=100,
+    max_length=8,
+    pooling="mean",
 )
 
 

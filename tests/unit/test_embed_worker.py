@@ -20,7 +20,13 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.info = EmbedderInfo(
-            model_id="fake", path=Path("/fake"), kind="encoder", dim=2, vocab_size=1000, max_length=64, pooling="mean"
+            model_id="fake",
+            path=Path("/fake"),
+            kind="encoder",
+            dim=2,
+            vocab_size=1000,
+            max_length=64,
+            pooling="mean",
         )
         self.batches: list[list[int]] = []
         self.gate = threading.Event()
@@ -28,10 +34,15 @@ class FakeBackend:
         self.entered = threading.Event()
 
     def encode_texts(self, inputs: Sequence[EmbedInput]) -> list[Encoded]:
-        return [Encoded(tuple(range(1, len(i) + 1)) if isinstance(i, str) else tuple(i)) for i in inputs]
+        return [
+            Encoded(tuple(range(1, len(i) + 1)) if isinstance(i, str) else tuple(i)) for i in inputs
+        ]
 
     def encode_pairs(self, query: str, documents: Sequence[str]) -> list[Encoded]:
-        return [Encoded(tuple(range(len(query) + len(d))), tuple([0] * len(query) + [1] * len(d))) for d in documents]
+        return [
+            Encoded(tuple(range(len(query) + len(d))), tuple([0] * len(query) + [1] * len(d)))
+            for d in documents
+        ]
 
     def forward(self, batch: Sequence[Encoded]) -> np.ndarray:
         self.entered.set()
@@ -99,6 +110,7 @@ async def test_a_full_queue_is_server_busy_and_a_slow_answer_times_out() -> None
     backend.gate.clear()
     async with trio.open_nursery() as nursery:
         embedder = await _started(nursery, backend, queue_depth=1, timeout=0.3)
+
         async def running() -> None:
             with pytest.raises(Timeout):
                 await embedder.embed(["running"])

@@ -45,13 +45,20 @@ async def fake_server(
         eos_token_ids=frozenset({tokenizer.eos_token_id}),
         context_length=settings.ctx_size,
         # Output parsing reads the template: a tool marker or a <think> mention switches it on.
-        chat_template=(chat_template or "") + ("{# <think> #}" if reasoning_template else "") or None,
+        chat_template=(chat_template or "") + ("{# <think> #}" if reasoning_template else "")
+        or None,
     )
     backend = FakeBackend(info, script=script or HELLO, **kw)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        _, ctx = await nursery.start(lambda task_status: serve(settings, build_backend=lambda: backend, stop=stop, task_status=task_status))
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=30) as client:
+        _, ctx = await nursery.start(
+            lambda task_status: serve(
+                settings, build_backend=lambda: backend, stop=stop, task_status=task_status
+            )
+        )
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{settings.port}", timeout=30
+        ) as client:
             yield client, backend, ctx
         stop.set()
 
@@ -90,12 +97,18 @@ async def test_stop_string_across_tokens_is_cut_and_generation_stops(smollm_toke
 
 
 async def test_full_queue_is_503_before_any_stream_byte(smollm_tokenizer: Any) -> None:
-    async with fake_server(
-        smollm_tokenizer, parallel=1, max_queue_depth=1, step_delay=0.02
-    ) as (client, _, ctx):
-        async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=10_000)) as running:
+    async with fake_server(smollm_tokenizer, parallel=1, max_queue_depth=1, step_delay=0.02) as (
+        client,
+        _,
+        ctx,
+    ):
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=10_000)
+        ) as running:
             assert running.status_code == 200
-            async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=10_000)) as queued:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=10_000)
+            ) as queued:
                 assert queued.status_code == 200
                 await wait_until(lambda: ctx.admission.queued == 1)
                 r = await client.post("/v1/chat/completions", json=chat(stream=True))
@@ -106,8 +119,14 @@ async def test_full_queue_is_503_before_any_stream_byte(smollm_tokenizer: Any) -
 
 async def test_disconnect_mid_prefill_stops_within_one_chunk(smollm_tokenizer: Any) -> None:
     long_prompt = "word " * 6000  # ~6000 tokens: 12 chunks of 512
-    async with fake_server(smollm_tokenizer, ctx_size=16384, step_delay=0.05) as (client, backend, ctx):
-        async with client.stream("POST", "/v1/chat/completions", json=chat(long_prompt, stream=True)) as r:
+    async with fake_server(smollm_tokenizer, ctx_size=16384, step_delay=0.05) as (
+        client,
+        backend,
+        ctx,
+    ):
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat(long_prompt, stream=True)
+        ) as r:
             assert r.status_code == 200
             await wait_until(lambda: sum(backend.chunks_done.values()) >= 2)
         chunks_at_disconnect = sum(backend.chunks_done.values())
@@ -147,7 +166,9 @@ async def test_keepalive_comments_flow_during_a_long_prefill(smollm_tokenizer: A
     async with fake_server(
         smollm_tokenizer, ctx_size=16384, step_delay=0.1, sse_ping_interval=0.15
     ) as (client, _, _):
-        async with client.stream("POST", "/v1/chat/completions", json=chat("word " * 3000, stream=True, max_tokens=1)) as r:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat("word " * 3000, stream=True, max_tokens=1)
+        ) as r:
             lines = [line async for line in r.aiter_lines() if line]
     assert ": keepalive" in lines
     data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
@@ -163,18 +184,39 @@ async def test_shutdown_rejects_new_work_with_503(smollm_tokenizer: Any) -> None
         assert r.json()["error"]["type"] == "unavailable_error"
 
 
-QWEN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{# tools: <tool_call> #}<|im_start|>assistant\n"
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+)
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 @asynccontextmanager
-async def scripted(tokenizer: Any, text: str, reasoning_template: bool = False, **kw: Any) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
+async def scripted(
+    tokenizer: Any, text: str, reasoning_template: bool = False, **kw: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
     """A fake model that answers `text` (then end of sequence), with a Hermes/Qwen tool template."""
     script = tokenizer.encode(text, add_special_tokens=False)
-    async with fake_server(tokenizer, script=script, eos_after=len(script), chat_template=QWEN_TEMPLATE,
-                           reasoning_template=reasoning_template, **kw) as (client, _, ctx):
+    async with fake_server(
+        tokenizer,
+        script=script,
+        eos_after=len(script),
+        chat_template=QWEN_TEMPLATE,
+        reasoning_template=reasoning_template,
+        **kw,
+    ) as (client, _, ctx):
         yield client, ctx.model_id
 
 
@@ -182,7 +224,10 @@ CALL = 'I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": 
 
 
 async def test_tool_call_non_streaming_shape(smollm_tokenizer: Any) -> None:
-    async with scripted(smollm_tokenizer, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>') as (client, _):
+    async with scripted(
+        smollm_tokenizer,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    ) as (client, _):
         r = await client.post("/v1/chat/completions", json=chat(tools=WEATHER))
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
@@ -197,16 +242,26 @@ async def test_tool_call_streaming_deltas_and_sdk_accumulator(smollm_tokenizer: 
     import openai
 
     async with scripted(smollm_tokenizer, CALL) as (client, model):
-        sdk = openai.OpenAI(base_url=f"{str(client.base_url).rstrip('/')}/v1", api_key="x", max_retries=0,
-                            _strict_response_validation=True)
+        sdk = openai.OpenAI(
+            base_url=f"{str(client.base_url).rstrip('/')}/v1",
+            api_key="x",
+            max_retries=0,
+            _strict_response_validation=True,
+        )
         messages: Any = [{"role": "user", "content": "weather?"}]
 
         def raw_stream() -> list[Any]:
-            return list(sdk.chat.completions.create(model=model, messages=messages, tools=WEATHER, stream=True))
+            return list(
+                sdk.chat.completions.create(
+                    model=model, messages=messages, tools=WEATHER, stream=True
+                )
+            )
 
         def helper_stream() -> Any:
             # The SDK's own accumulator checks the delta shapes as it merges them.
-            with sdk.chat.completions.stream(model=model, messages=messages, tools=WEATHER) as stream:
+            with sdk.chat.completions.stream(
+                model=model, messages=messages, tools=WEATHER
+            ) as stream:
                 for _ in stream:
                     pass
                 return stream.get_final_completion()
@@ -215,9 +270,16 @@ async def test_tool_call_streaming_deltas_and_sdk_accumulator(smollm_tokenizer: 
         deltas = await trio.to_thread.run_sync(raw_stream)
         final = await trio.to_thread.run_sync(helper_stream)
         sdk.close()
-    calls = [d.choices[0].delta.tool_calls for d in deltas if d.choices and d.choices[0].delta.tool_calls]
+    calls = [
+        d.choices[0].delta.tool_calls for d in deltas if d.choices and d.choices[0].delta.tool_calls
+    ]
     first, *rest = [c[0] for c in calls]
-    assert first.index == 0 and first.id and first.type == "function" and first.function.name == "get_weather"
+    assert (
+        first.index == 0
+        and first.id
+        and first.type == "function"
+        and first.function.name == "get_weather"
+    )
     assert all(c.id is None and c.type is None and c.function.name is None for c in rest)
     args = (first.function.arguments or "") + "".join(c.function.arguments or "" for c in rest)
     assert json.loads(args) == {"city": "Paris"}
@@ -225,7 +287,9 @@ async def test_tool_call_streaming_deltas_and_sdk_accumulator(smollm_tokenizer: 
     assert text == "I will check."
     assert deltas[-1].choices[0].finish_reason == "tool_calls"
     (call,) = final.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Paris"
+    }
     assert final.choices[0].message.content == "I will check."
     assert final.choices[0].finish_reason == "tool_calls"
 
@@ -241,7 +305,9 @@ async def test_tool_choice_none_leaves_the_text_alone(smollm_tokenizer: Any) -> 
 async def test_forced_tool_choice_is_a_400_naming_the_field(smollm_tokenizer: Any) -> None:
     async with scripted(smollm_tokenizer, CALL) as (client, _):
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            r = await client.post("/v1/chat/completions", json=chat(tools=WEATHER, tool_choice=choice))
+            r = await client.post(
+                "/v1/chat/completions", json=chat(tools=WEATHER, tool_choice=choice)
+            )
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         bad = await client.post("/v1/chat/completions", json=chat(tools=[{"type": "web_search"}]))
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].type"
@@ -250,9 +316,15 @@ async def test_forced_tool_choice_is_a_400_naming_the_field(smollm_tokenizer: An
 async def test_reasoning_is_split_the_same_way_streamed_and_not(smollm_tokenizer: Any) -> None:
     text = "<think>\nThe user greets me.\n</think>\n\nHello!"
     async with scripted(smollm_tokenizer, text, reasoning_template=True) as (client, _):
-        whole = (await client.post("/v1/chat/completions", json=chat())).json()["choices"][0]["message"]
+        whole = (await client.post("/v1/chat/completions", json=chat())).json()["choices"][0][
+            "message"
+        ]
         async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
-            frames = [json.loads(line[6:]) for line in [x async for x in r.aiter_lines()] if line.startswith("data: {")]
+            frames = [
+                json.loads(line[6:])
+                for line in [x async for x in r.aiter_lines()]
+                if line.startswith("data: {")
+            ]
     assert whole["reasoning_content"] == whole["reasoning"] == "The user greets me."
     assert whole["content"] == "Hello!"
     deltas = [f["choices"][0]["delta"] for f in frames if f["choices"]]
@@ -264,10 +336,16 @@ async def test_template_kwargs_reach_the_chat_template(smollm_tokenizer: Any) ->
     async with fake_server(smollm_tokenizer) as (client, _, _):
         base = (await client.post("/apply-template", json=chat("hi"))).json()["prompt"]
         # The SmolLM2 template has no variables for these: the render is unchanged, and accepted.
-        same = await client.post("/apply-template", json=chat("hi", reasoning_effort="low",
-                                                              chat_template_kwargs={"enable_thinking": False}))
+        same = await client.post(
+            "/apply-template",
+            json=chat(
+                "hi", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}
+            ),
+        )
         assert same.status_code == 200 and same.json()["prompt"] == base
-        bad = await client.post("/apply-template", json=chat("hi", chat_template_kwargs={"messages": []}))
+        bad = await client.post(
+            "/apply-template", json=chat("hi", chat_template_kwargs={"messages": []})
+        )
         assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
 
 
@@ -286,6 +364,8 @@ def test_template_kwargs_are_passed_to_jinja(smollm_tokenizer: Any) -> None:
     tok = Recording()
     actor = TokenizerActor.__new__(TokenizerActor)
     actor._tok = tok  # only render() is exercised
-    _, gen = chat_request(chat("hi", reasoning_effort="high", chat_template_kwargs={"enable_thinking": True}))
+    _, gen = chat_request(
+        chat("hi", reasoning_effort="high", chat_template_kwargs={"enable_thinking": True})
+    )
     actor.render(gen)
     assert tok.kwargs["reasoning_effort"] == "high" and tok.kwargs["enable_thinking"] is True

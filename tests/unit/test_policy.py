@@ -122,7 +122,9 @@ def test_priority_lanes_are_strict_and_fifo_within_a_lane() -> None:
 def test_join_window_groups_arrivals_into_the_running_batch() -> None:
     state = policy.SchedulerState(parallel=4, join_window=0.5)
     state.enqueue(item("a"), now=0.0)
-    assert [s.request_id for s in policy.plan(state, (), now=0.0).plan.inserts] == ["a"]  # idle: at once
+    assert [s.request_id for s in policy.plan(state, (), now=0.0).plan.inserts] == [
+        "a"
+    ]  # idle: at once
     state.enqueue(item("b"), now=1.0)
     assert policy.plan(state, (), now=1.2).plan.inserts == ()  # waits for company
     state.enqueue(item("c"), now=1.3)

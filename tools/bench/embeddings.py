@@ -35,8 +35,12 @@ print(json.dumps({"secs": time.perf_counter() - t, "threads": torch.get_num_thre
 
 
 def sentences(n: int) -> list[str]:
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
-    return [" ".join(words[(i * 7 + k) % len(words)] for k in range(6 + i % 14)) + "." for i in range(n)]
+    words = (
+        "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+    )
+    return [
+        " ".join(words[(i * 7 + k) % len(words)] for k in range(6 + i % 14)) + "." for i in range(n)
+    ]
 
 
 def mlxcel_rate(texts: list[str], batch: int) -> tuple[float, list[float]]:
@@ -58,7 +62,9 @@ def mlxcel_rate(texts: list[str], batch: int) -> tuple[float, list[float]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--st-python", default="/tmp/st-venv/bin/python")
@@ -71,7 +77,10 @@ def main() -> int:
     ours, ours_first = mlxcel_rate(texts, args.batch)
     peer = subprocess.run(
         [args.st_python, "-c", PEER, str(path), str(args.batch)],
-        input=json.dumps(texts), capture_output=True, text=True, check=True,
+        input=json.dumps(texts),
+        capture_output=True,
+        text=True,
+        check=True,
     )
     result = json.loads(peer.stdout.strip().splitlines()[-1])
     theirs = args.n / result["secs"]

@@ -29,7 +29,12 @@ def free_port() -> int:
 
 
 def ttft(url: str, messages: list[dict[str, str]]) -> tuple[float, int]:
-    body = {"messages": messages, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tic = time.perf_counter()
     first = None
     cached = 0
@@ -44,13 +49,25 @@ def ttft(url: str, messages: list[dict[str, str]]) -> tuple[float, int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), "--metrics", "--parallel", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxcel",
+        "serve",
+        "--port",
+        str(port),
+        "--metrics",
+        "--parallel",
+        "8",
+    ]
     if args.model:
         cmd += ["-m", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -70,8 +87,14 @@ def main() -> int:
         cold, warm = [], []
         for i in range(args.rounds):
             httpx.post(f"{url}/v1/cache/reset")
-            first = [{"role": "system", "content": prefix}, {"role": "user", "content": f"Question {i}a?"}]
-            second = [{"role": "system", "content": prefix}, {"role": "user", "content": f"Question {i}b?"}]
+            first = [
+                {"role": "system", "content": prefix},
+                {"role": "user", "content": f"Question {i}a?"},
+            ]
+            second = [
+                {"role": "system", "content": prefix},
+                {"role": "user", "content": f"Question {i}b?"},
+            ]
             t_cold, c0 = ttft(url, first)
             t_warm, c1 = ttft(url, second)
             assert c0 == 0 and c1 > 900, (c0, c1)
@@ -81,15 +104,23 @@ def main() -> int:
         print("| measure | value |\n|---|---|")
         print(f"| cold TTFT p50 (~1,000-token prompt) | {c * 1000:.0f} ms |")
         print(f"| warm TTFT p50 (shared prefix cached, {c1} tokens) | {w * 1000:.0f} ms |")
-        print(f"| warm / cold | {w / c:.2f}x (target <= 0.30x: {'met' if w / c <= 0.3 else 'MISSED'}) |")
+        print(
+            f"| warm / cold | {w / c:.2f}x (target <= 0.30x: {'met' if w / c <= 0.3 else 'MISSED'}) |"
+        )
 
         stop = threading.Event()
 
         def load() -> None:
             while not stop.is_set():
-                body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 64,
-                        "stream": True, "cache_prompt": False}
-                with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+                body = {
+                    "messages": [{"role": "user", "content": "Tell me a story"}],
+                    "max_tokens": 64,
+                    "stream": True,
+                    "cache_prompt": False,
+                }
+                with httpx.stream(
+                    "POST", f"{url}/v1/chat/completions", json=body, timeout=600
+                ) as r:
                     for _ in r.iter_lines():
                         pass
 
@@ -107,8 +138,10 @@ def main() -> int:
         stop.set()
         samples.sort()
         p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99) - 1]
-        print(f"| /metrics scrape under 8 streams, p50 / p99 | {p50 * 1000:.1f} / {p99 * 1000:.1f} ms "
-              f"(target < 10 ms: {'met' if p50 < 0.010 else 'MISSED'}) |")
+        print(
+            f"| /metrics scrape under 8 streams, p50 / p99 | {p50 * 1000:.1f} / {p99 * 1000:.1f} ms "
+            f"(target < 10 ms: {'met' if p50 < 0.010 else 'MISSED'}) |"
+        )
         for t in threads:
             t.join(timeout=120)
     finally:

@@ -54,14 +54,38 @@ REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 TOPICS = [
-    "a lighthouse keeper", "a lost robot", "a dragon who fears fire", "a clockmaker",
-    "a city under the sea", "a talking cat", "a desert caravan", "a time-travelling baker",
-    "a mountain monastery", "a pirate librarian", "a haunted train", "a garden on Mars",
-    "a shy giant", "an old violin", "a village of inventors", "a winter festival",
-    "a secret tunnel", "a forgotten king", "a river spirit", "a space station cook",
-    "a carnival magician", "a map that redraws itself", "twin astronomers", "a paper boat",
-    "a wandering knight", "a cloud shepherd", "a bookshop at midnight", "a glass forest",
-    "a retired detective", "a stormy island", "a circus elephant", "a broken compass",
+    "a lighthouse keeper",
+    "a lost robot",
+    "a dragon who fears fire",
+    "a clockmaker",
+    "a city under the sea",
+    "a talking cat",
+    "a desert caravan",
+    "a time-travelling baker",
+    "a mountain monastery",
+    "a pirate librarian",
+    "a haunted train",
+    "a garden on Mars",
+    "a shy giant",
+    "an old violin",
+    "a village of inventors",
+    "a winter festival",
+    "a secret tunnel",
+    "a forgotten king",
+    "a river spirit",
+    "a space station cook",
+    "a carnival magician",
+    "a map that redraws itself",
+    "twin astronomers",
+    "a paper boat",
+    "a wandering knight",
+    "a cloud shepherd",
+    "a bookshop at midnight",
+    "a glass forest",
+    "a retired detective",
+    "a stormy island",
+    "a circus elephant",
+    "a broken compass",
 ]
 STYLES = [
     "Use vivid descriptions of the places and people.",
@@ -81,7 +105,10 @@ def make_messages(i: int, run_tag: str) -> list[dict]:
     style = STYLES[(i // len(TOPICS) + i) % len(STYLES)]
     return [
         {"role": "system", "content": f"Session {run_tag}-{i:04d}. You are a patient storyteller."},
-        {"role": "user", "content": f"Write a very long story of at least 2000 words about {topic}. {style}"},
+        {
+            "role": "user",
+            "content": f"Write a very long story of at least 2000 words about {topic}. {style}",
+        },
     ]
 
 
@@ -215,8 +242,11 @@ def float32_folder(model: str) -> str:
     cfg = json.loads((Path(model) / "config.json").read_text())
     if "quantization" not in cfg and "quantization_config" not in cfg:
         return model
-    dst = Path(os.environ.get("MLXCEL_CACHE_DIR", Path.home() / ".cache" / "mlxcel")) / "bench" / (
-        Path(model).name + "-float32")
+    dst = (
+        Path(os.environ.get("MLXCEL_CACHE_DIR", Path.home() / ".cache" / "mlxcel"))
+        / "bench"
+        / (Path(model).name + "-float32")
+    )
     if not (dst / "config.json").exists():
         print(f"dequantising {model} -> {dst} (float32, once)", flush=True)
         subprocess.run([PY, "-c", _F32_CODE, model, str(dst)], cwd=REPO, check=True)
@@ -269,8 +299,17 @@ class Server:
 def ours(model: str, parallel: int, logdir: Path, extra: list[str] | None = None) -> Server:
     port = free_port()
     argv = [
-        str(Path(PY).with_name("mlxcel")), "serve", "-m", model,
-        "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel), *(extra or []),
+        str(Path(PY).with_name("mlxcel")),
+        "serve",
+        "-m",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        *(extra or []),
     ]
     return Server("mlxcel", argv, port, logdir / "mlxcel.log")
 
@@ -278,8 +317,17 @@ def ours(model: str, parallel: int, logdir: Path, extra: list[str] | None = None
 def mlx_lm_server(model: str, parallel: int, logdir: Path) -> Server:
     port = free_port()
     sargv = [
-        "mlx_lm.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-        "--decode-concurrency", str(max(parallel, 1)), "--log-level", "WARNING",
+        "mlx_lm.server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--decode-concurrency",
+        str(max(parallel, 1)),
+        "--log-level",
+        "WARNING",
     ]
     code = (
         "from mlxcel.models.blas import preload_blas; print('BLAS:', preload_blas(), flush=True);"
@@ -295,7 +343,9 @@ async def wait_ready(client, server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc is not None and server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(
+                f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}"
+            )
         try:
             r = await client.get(f"{server.base}/health", timeout=2.0)
             if r.status_code == 200:
@@ -364,8 +414,13 @@ async def one_request(client, base: str, messages: list[dict], max_tokens: int) 
         return ReqResult(ok=False, error="no content", usage_tokens=usage, finish_reason=finish)
     itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
     return ReqResult(
-        ok=True, ttft=stamps[0] - t0, itl=itl, chunks=len(stamps), usage_tokens=usage,
-        finish_reason=finish, latency=end - t0,
+        ok=True,
+        ttft=stamps[0] - t0,
+        itl=itl,
+        chunks=len(stamps),
+        usage_tokens=usage,
+        finish_reason=finish,
+        latency=end - t0,
     )
 
 
@@ -385,8 +440,16 @@ class Level:
     mismatches: list[str] = field(default_factory=list)
 
 
-async def run_level(client, base: str, conc: int, n_req: int, tokens: int, first_idx: int, tag: str,
-                    pgid: int | None = None) -> Level:
+async def run_level(
+    client,
+    base: str,
+    conc: int,
+    n_req: int,
+    tokens: int,
+    first_idx: int,
+    tag: str,
+    pgid: int | None = None,
+) -> Level:
     """Closed loop: ``conc`` workers, each sends its next request when the last ends."""
     queue = list(range(first_idx, first_idx + n_req))
     queue.reverse()
@@ -409,19 +472,29 @@ async def run_level(client, base: str, conc: int, n_req: int, tokens: int, first
         if r.tokens != tokens or (r.usage_tokens is not None and r.chunks != r.usage_tokens):
             mism.append(f"usage={r.usage_tokens} chunks={r.chunks} finish={r.finish_reason}")
     return Level(
-        concurrency=conc, requests=n_req, wall=wall, tokens=total, tok_s=total / wall,
-        ttft_p50=pct([r.ttft for r in good], 50), ttft_p90=pct([r.ttft for r in good], 90),
+        concurrency=conc,
+        requests=n_req,
+        wall=wall,
+        tokens=total,
+        tok_s=total / wall,
+        ttft_p50=pct([r.ttft for r in good], 50),
+        ttft_p90=pct([r.ttft for r in good], 90),
         itl_p50=statistics.median([r.itl for r in good if r.itl == r.itl] or [float("nan")]),
-        server_cores=server_cores, other_cores=other_cores,
-        errors=[r.error for r in results if not r.ok], mismatches=mism,
+        server_cores=server_cores,
+        other_cores=other_cores,
+        errors=[r.error for r in results if not r.ok],
+        mismatches=mism,
     )
 
 
-async def bench_server(server: Server, levels: list[int], n_for, tokens: int, ready_timeout: float,
-                       tag: str) -> dict[int, Level]:
+async def bench_server(
+    server: Server, levels: list[int], n_for, tokens: int, ready_timeout: float, tag: str
+) -> dict[int, Level]:
     import httpx
 
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
+    limits = httpx.Limits(
+        max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4
+    )
     timeout = httpx.Timeout(connect=10.0, read=600.0, write=30.0, pool=600.0)
     out: dict[int, Level] = {}
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
@@ -433,19 +506,25 @@ async def bench_server(server: Server, levels: list[int], n_for, tokens: int, re
         if not warm.ok:
             raise RuntimeError(f"{server.name} warm-up failed: {warm.error}\n{server.log_tail()}")
         wl = min(4, max(levels))
-        await asyncio.gather(*(one_request(client, server.base, make_messages(9001 + k, tag + "w"), 8)
-                               for k in range(wl)))
+        await asyncio.gather(
+            *(
+                one_request(client, server.base, make_messages(9001 + k, tag + "w"), 8)
+                for k in range(wl)
+            )
+        )
         idx = 0
         for c in levels:
             n = n_for(c)
             lv = await run_level(client, server.base, c, n, tokens, idx, tag, server.proc.pid)
             idx += n
             out[c] = lv
-            print(f"  {server.name} c={c:<3} {lv.tok_s:7.1f} tok/s  TTFT p50 {lv.ttft_p50:6.3f}s "
-                  f"p90 {lv.ttft_p90:6.3f}s  ITL p50 {lv.itl_p50 * 1000:6.1f}ms  "
-                  f"({lv.tokens} tok / {lv.wall:.1f}s, {len(lv.errors)} err, {len(lv.mismatches)} mismatch; "
-                  f"server {lv.server_cores:.2f} cores, other processes {lv.other_cores:.2f} cores)",
-                  flush=True)
+            print(
+                f"  {server.name} c={c:<3} {lv.tok_s:7.1f} tok/s  TTFT p50 {lv.ttft_p50:6.3f}s "
+                f"p90 {lv.ttft_p90:6.3f}s  ITL p50 {lv.itl_p50 * 1000:6.1f}ms  "
+                f"({lv.tokens} tok / {lv.wall:.1f}s, {len(lv.errors)} err, {len(lv.mismatches)} mismatch; "
+                f"server {lv.server_cores:.2f} cores, other processes {lv.other_cores:.2f} cores)",
+                flush=True,
+            )
             for e in lv.errors[:3]:
                 print(f"    error: {e}", flush=True)
             for m in lv.mismatches[:3]:
@@ -469,13 +548,18 @@ def raw_worker(model: str, levels: list[int], n_for_list: list[int], tokens: int
     res = {"blas": str(blas), "levels": {}}
 
     def prompts(first: int, n: int) -> list[list[int]]:
-        return [tok.apply_chat_template(make_messages(i, tag), add_generation_prompt=True, tokenize=True)
-                for i in range(first, first + n)]
+        return [
+            tok.apply_chat_template(
+                make_messages(i, tag), add_generation_prompt=True, tokenize=True
+            )
+            for i in range(first, first + n)
+        ]
 
     def run(batch: int, ps: list[list[int]], max_tok: int) -> tuple[int, float]:
         # stop_tokens=None: never stops early, exactly max_tok tokens per sequence.
-        gen = BatchGenerator(mdl, max_tokens=max_tok, completion_batch_size=batch,
-                             prefill_batch_size=min(8, batch))
+        gen = BatchGenerator(
+            mdl, max_tokens=max_tok, completion_batch_size=batch, prefill_batch_size=min(8, batch)
+        )
         t0 = time.perf_counter()
         gen.insert(ps, [max_tok] * len(ps))
         done, n_tok = 0, 0
@@ -498,10 +582,19 @@ def raw_worker(model: str, levels: list[int], n_for_list: list[int], tokens: int
         watch = CpuWatch(None)
         n_tok, wall = run(c, ps, tokens)
         _, other = watch.stop()  # "other" here: everything but this worker
-        res["levels"][str(c)] = {"tokens": n_tok, "wall": wall, "tok_s": n_tok / wall, "prompt_len": plen,
-                                 "other_cores": other}
-        print(f"  raw BatchGenerator b={c:<3} {n_tok / wall:7.1f} tok/s ({n_tok} tok / {wall:.1f}s, "
-              f"prompt ~{plen:.0f} tok; other processes {other:.2f} cores)", file=sys.stderr, flush=True)
+        res["levels"][str(c)] = {
+            "tokens": n_tok,
+            "wall": wall,
+            "tok_s": n_tok / wall,
+            "prompt_len": plen,
+            "other_cores": other,
+        }
+        print(
+            f"  raw BatchGenerator b={c:<3} {n_tok / wall:7.1f} tok/s ({n_tok} tok / {wall:.1f}s, "
+            f"prompt ~{plen:.0f} tok; other processes {other:.2f} cores)",
+            file=sys.stderr,
+            flush=True,
+        )
     mx.synchronize()
     print(json.dumps(res), flush=True)
 
@@ -550,14 +643,20 @@ def report(levels, res_ours, res_mlx, res_raw, tokens) -> tuple[str, list[str]]:
     o, m, r = res_ours.get(top), res_mlx.get(top), res_raw.get(top)
     targets = []
     if o and m:
-        targets.append(f"[{'MET' if o.tok_s >= m.tok_s else 'MISSED'}] c={top}: mlxcel tok/s >= 1.0x "
-                       f"mlx_lm.server ({o.tok_s / m.tok_s:.2f}x)")
+        targets.append(
+            f"[{'MET' if o.tok_s >= m.tok_s else 'MISSED'}] c={top}: mlxcel tok/s >= 1.0x "
+            f"mlx_lm.server ({o.tok_s / m.tok_s:.2f}x)"
+        )
     if o and r:
-        targets.append(f"[{'MET' if o.tok_s >= 0.8 * r['tok_s'] else 'MISSED'}] c={top}: mlxcel tok/s >= "
-                       f"0.8x raw BatchGenerator ({o.tok_s / r['tok_s']:.2f}x)")
+        targets.append(
+            f"[{'MET' if o.tok_s >= 0.8 * r['tok_s'] else 'MISSED'}] c={top}: mlxcel tok/s >= "
+            f"0.8x raw BatchGenerator ({o.tok_s / r['tok_s']:.2f}x)"
+        )
     if o and m:
-        targets.append(f"[{'MET' if o.ttft_p50 <= m.ttft_p50 else 'MISSED'}] c={top}: mlxcel TTFT p50 <= "
-                       f"mlx_lm.server ({o.ttft_p50:.3f}s vs {m.ttft_p50:.3f}s)")
+        targets.append(
+            f"[{'MET' if o.ttft_p50 <= m.ttft_p50 else 'MISSED'}] c={top}: mlxcel TTFT p50 <= "
+            f"mlx_lm.server ({o.ttft_p50:.3f}s vs {m.ttft_p50:.3f}s)"
+        )
     return "\n".join(lines), targets
 
 
@@ -566,18 +665,36 @@ def report(levels, res_ours, res_mlx, res_raw, tokens) -> tuple[str, list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="levels (default 1 4 16)")
+    ap.add_argument(
+        "--concurrency", type=int, nargs="+", default=None, help="levels (default 1 4 16)"
+    )
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request (default 64)")
-    ap.add_argument("--requests-per-level", type=int, default=None,
-                    help="requests per level (default: max(4, 2 x concurrency); quick: concurrency)")
+    ap.add_argument(
+        "--requests-per-level",
+        type=int,
+        default=None,
+        help="requests per level (default: max(4, 2 x concurrency); quick: concurrency)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke check: levels 1 4, fewer requests")
-    ap.add_argument("--model", default=None, help="MLX model folder (default: the embedded SmolLM2 one)")
-    ap.add_argument("--keep-quantized", action="store_true",
-                    help="use a quantised --model as is (mlxcel still dequantises it at load)")
-    ap.add_argument("--parallel", type=int, default=None, help="mlxcel --parallel (default: max level)")
+    ap.add_argument(
+        "--model", default=None, help="MLX model folder (default: the embedded SmolLM2 one)"
+    )
+    ap.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="use a quantised --model as is (mlxcel still dequantises it at load)",
+    )
+    ap.add_argument(
+        "--parallel", type=int, default=None, help="mlxcel --parallel (default: max level)"
+    )
     ap.add_argument("--skip", nargs="*", default=[], choices=["mlxcel", "mlx_lm", "raw"])
-    ap.add_argument("--mlxcel-arg", action="append", default=[], metavar="ARG",
-                    help="extra flag for `mlxcel serve` (repeatable), e.g. --mlxcel-arg=--cache-ram=0")
+    ap.add_argument(
+        "--mlxcel-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for `mlxcel serve` (repeatable), e.g. --mlxcel-arg=--cache-ram=0",
+    )
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--strict", action="store_true", help="exit 1 on token-count mismatches too")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -603,19 +720,28 @@ def main() -> int:
         model = float32_folder(model)
     parallel = a.parallel or max(levels)
     logdir = Path(tempfile.mkdtemp(prefix="mlxcel-bench-"))
-    print(f"model: {model}\nlevels: {levels}, tokens/request: {a.tokens}, "
-          f"requests/level: {[n_for(c) for c in levels]}, logs: {logdir}", flush=True)
+    print(
+        f"model: {model}\nlevels: {levels}, tokens/request: {a.tokens}, "
+        f"requests/level: {[n_for(c) for c in levels]}, logs: {logdir}",
+        flush=True,
+    )
 
     failed = False
     res: dict[str, dict] = {"mlxcel": {}, "mlx_lm": {}}
     for key, factory in (("mlxcel", ours), ("mlx_lm", mlx_lm_server)):
         if key in a.skip:
             continue
-        srv = ours(model, parallel, logdir, a.mlxcel_arg) if key == "mlxcel" else factory(model, parallel, logdir)
+        srv = (
+            ours(model, parallel, logdir, a.mlxcel_arg)
+            if key == "mlxcel"
+            else factory(model, parallel, logdir)
+        )
         print(f"starting {srv.name} on :{srv.port}", flush=True)
         srv.start()
         try:
-            res[key] = asyncio.run(bench_server(srv, levels, n_for, a.tokens, a.ready_timeout, tag + key[0]))
+            res[key] = asyncio.run(
+                bench_server(srv, levels, n_for, a.tokens, a.ready_timeout, tag + key[0])
+            )
         except Exception as e:  # noqa: BLE001
             print(f"ERROR: {srv.name}: {e}", flush=True)
             failed = True
@@ -625,14 +751,30 @@ def main() -> int:
     raw: dict[int, dict] = {}
     if "raw" not in a.skip:
         print("running raw BatchGenerator (subprocess)", flush=True)
-        argv = [PY, str(Path(__file__).resolve()), "--raw-worker", "--model", model, "--tokens", str(a.tokens),
-                "--concurrency", *map(str, levels), "--raw-n", *[str(n_for(c)) for c in levels], "--tag", tag + "r"]
+        argv = [
+            PY,
+            str(Path(__file__).resolve()),
+            "--raw-worker",
+            "--model",
+            model,
+            "--tokens",
+            str(a.tokens),
+            "--concurrency",
+            *map(str, levels),
+            "--raw-n",
+            *[str(n_for(c)) for c in levels],
+            "--tag",
+            tag + "r",
+        ]
         p = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, text=True)
         if p.returncode != 0:
             print(f"ERROR: raw worker exited {p.returncode}", flush=True)
             failed = True
         else:
-            raw = {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1])["levels"].items()}
+            raw = {
+                int(k): v
+                for k, v in json.loads(p.stdout.strip().splitlines()[-1])["levels"].items()
+            }
 
     table, targets = report(levels, res["mlxcel"], res["mlx_lm"], raw, a.tokens)
     print("\n" + table + "\n")
@@ -645,15 +787,27 @@ def main() -> int:
             if lv.errors:
                 failed = True
             if lv.mismatches:
-                print(f"WARNING: {key} c={lv.concurrency}: {len(lv.mismatches)} requests did not produce "
-                      f"exactly {a.tokens} tokens (e.g. {lv.mismatches[0]})")
+                print(
+                    f"WARNING: {key} c={lv.concurrency}: {len(lv.mismatches)} requests did not produce "
+                    f"exactly {a.tokens} tokens (e.g. {lv.mismatches[0]})"
+                )
                 failed = failed or a.strict
     if a.json:
-        a.json.write_text(json.dumps({
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "tokens": a.tokens,
-            "levels": levels, "mlxcel": {c: asdict(v) for c, v in res["mlxcel"].items()},
-            "mlx_lm": {c: asdict(v) for c, v in res["mlx_lm"].items()}, "raw": raw, "targets": targets,
-        }, indent=2))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "model": model,
+                    "tokens": a.tokens,
+                    "levels": levels,
+                    "mlxcel": {c: asdict(v) for c, v in res["mlxcel"].items()},
+                    "mlx_lm": {c: asdict(v) for c, v in res["mlx_lm"].items()},
+                    "raw": raw,
+                    "targets": targets,
+                },
+                indent=2,
+            )
+        )
     return 1 if failed else 0
 
 

@@ -68,7 +68,11 @@ class FakeBackend:
                 self.chunks_done[seq.request_id] = self.chunks_done.get(seq.request_id, 0) + 1
                 prefill.append(PrefillProgress(seq.request_id, seq.prefilled, seq.prompt_len))
                 continue
-            if not seq.ignore_eos and self._eos_after is not None and seq.generated >= self._eos_after:
+            if (
+                not seq.ignore_eos
+                and self._eos_after is not None
+                and seq.generated >= self._eos_after
+            ):
                 tokens.append(TokenOut(seq.request_id, self._eos, "stop"))
             else:
                 token = self._script[seq.generated % len(self._script)]

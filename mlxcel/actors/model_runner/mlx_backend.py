@@ -9,9 +9,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
-from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -111,10 +111,15 @@ class MlxBackend:
         )
         return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=self._stats())
 
-    def _score(self, responses: list[Any]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+    def _score(
+        self, responses: list[Any]
+    ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
         """Log-probabilities for the rows that asked, in one evaluation for the whole step."""
-        rows = [(r, self._logprobs[rid]) for r in responses
-                if (rid := self._rid_by_uid.get(r.uid)) in self._logprobs]
+        rows = [
+            (r, self._logprobs[rid])
+            for r in responses
+            if (rid := self._rid_by_uid.get(r.uid)) in self._logprobs
+        ]
         if not rows:
             return {}
         dist = mx.stack([r.logprobs for r, _ in rows])

@@ -31,7 +31,9 @@ class ModelRunner:
         self._plans = plans
         self._outputs = outputs
 
-    async def run(self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Load, warm up, report ready, then serve plans until cancelled.
 
         Cancellation reaches the thread at its next wait for a plan (``from_thread.run``
