@@ -50,6 +50,8 @@ def test_full_queue_is_503_before_any_byte(single_slot_server: ServerProcess) ->
                 assert r.status_code == 503, r.text
                 assert r.headers["content-type"].startswith("application/json")
                 assert r.json()["error"]["type"] == "server_busy"
+                # Liveness is not saturation: /health stays 200 while the queue is full.
+                assert httpx.get(f"{single_slot_server.base_url}/health").status_code == 200
                 assert next(running_lines) is not None  # both are still being served
     # Both disconnected: the server is free again at once.
     r = httpx.post(url, json=chat_body(max_tokens=3), timeout=10)
