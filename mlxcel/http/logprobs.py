@@ -25,16 +25,26 @@ def _piece(tok: Any, token_id: int) -> tuple[str, list[int]]:
     return _text(data), list(data)
 
 
+def _scored(tok: Any, token_id: int, logprob: float, with_id: bool) -> dict[str, Any]:
+    text, raw = _piece(tok, token_id)
+    entry: dict[str, Any] = {"id": token_id} if with_id else {}
+    entry.update({"token": text, "logprob": logprob, "bytes": raw})
+    return entry
+
+
+def _entries(tok: Any, entries: Sequence[TokenLogprob], with_id: bool) -> list[dict[str, Any]]:
+    """Each token with its alternatives; llama-server's shape adds the token ids."""
+    return [
+        {
+            **_scored(tok, e.token, e.logprob, with_id),
+            "top_logprobs": [_scored(tok, t, lp, with_id) for t, lp in e.top],
+        }
+        for e in entries
+    ]
+
+
 def chat_content(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
-    out = []
-    for e in entries:
-        text, raw = _piece(tok, e.token)
-        top = []
-        for token_id, logprob in e.top:
-            t, b = _piece(tok, token_id)
-            top.append({"token": t, "logprob": logprob, "bytes": b})
-        out.append({"token": text, "logprob": e.logprob, "bytes": raw, "top_logprobs": top})
-    return out
+    return _entries(tok, entries, with_id=False)
 
 
 def chat(tok: Any, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
@@ -61,14 +71,4 @@ def legacy(tok: Any, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[s
 
 def native(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """llama-server's `completion_probabilities` (n_probs)."""
-    out = []
-    for e in entries:
-        text, raw = _piece(tok, e.token)
-        top = []
-        for token_id, logprob in e.top:
-            t, b = _piece(tok, token_id)
-            top.append({"id": token_id, "token": t, "bytes": b, "logprob": logprob})
-        out.append(
-            {"id": e.token, "token": text, "bytes": raw, "logprob": e.logprob, "top_logprobs": top}
-        )
-    return out
+    return _entries(tok, entries, with_id=True)
