@@ -57,8 +57,6 @@ class Scheduler:
         self._metrics = metrics or Metrics()
         self._resets: list[trio.Event] = []
         self._prefilled: dict[str, int] = {}
-        self.steps = 0
-        self.tasks_started = 0
         self.cache_stats = CacheStats()
 
     # --- read-only views for /slots, /metrics ---------------------------------------------
@@ -98,7 +96,6 @@ class Scheduler:
             tic = time.perf_counter()
             await self._plans.send(plan)
             output = await self._outputs.receive()
-            self.steps += 1
             for done in resets:
                 done.set()
             await self._after(output, busy, time.perf_counter() - tic)
@@ -135,7 +132,6 @@ class Scheduler:
             self._prefilled.pop(rid, None)
             await self._streamer.send(CloseStream(rid, "abort"))
         for item in decision.started:
-            self.tasks_started += 1
             item.slot.started_at = time.monotonic()
             item.slot.reservation.release()
             await self._streamer.send(

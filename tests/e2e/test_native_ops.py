@@ -50,11 +50,13 @@ def test_native_completion_stop_word_and_token_prompt(tiny_server: ServerProcess
 def test_native_completions_without_v1_streams_native_frames(tiny_server: ServerProcess) -> None:
     body = {"prompt": "Once upon", "n_predict": 4, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{tiny_server.base_url}/completions", json=body) as r:
-        frames = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    # No [DONE] sentinel: every frame is a JSON object, and the last one is the final object.
+    assert "[DONE]" not in data
+    frames = [json.loads(d) for d in data]
     assert all(f["stop"] is False for f in frames[:-1])
     assert frames[-1]["stop"] is True and frames[-1]["tokens_predicted"] == 4
     assert "timings" in frames[-1]
-    assert not any(line == "[DONE]" for line in [])  # no [DONE] sentinel: every frame is JSON
 
 
 def test_tokenize_detokenize_round_trip(tiny_server: ServerProcess) -> None:
