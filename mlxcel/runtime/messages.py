@@ -82,6 +82,38 @@ Prompt = ChatPrompt | TextPrompt | TokensPrompt
 
 
 @attrs.frozen(kw_only=True)
+class JsonSchemaFormat:
+    """Constrain the output to JSON matching this schema (response_format json_schema,
+    Responses text.format, a tool's parameters)."""
+
+    # The schema as JSON text: hashable, and what llguidance takes.
+    schema_json: str
+    strict: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class JsonObjectFormat:
+    """Constrain the output to any JSON object (response_format json_object)."""
+
+
+@attrs.frozen(kw_only=True)
+class ForcedToolCall:
+    """The output must be tool calls in the template's tool-call format.
+
+    ``names`` are the tools the call may name: one for a named tool_choice (OpenAI
+    {"type":"function",...}, Anthropic {"type":"tool"}), every offered tool for "required" /
+    Anthropic "any". Their argument schemas come from ``ChatPrompt.tools``.
+    """
+
+    names: tuple[str, ...]
+    # False: exactly one call (parallel_tool_calls false / Anthropic disable_parallel_tool_use).
+    parallel: bool = True
+
+
+Constraint = JsonSchemaFormat | JsonObjectFormat | ForcedToolCall
+
+
+@attrs.frozen(kw_only=True)
 class GenerationRequest:
     """What a client asked for, in internal terms (built by http/ from the wire body)."""
 
@@ -104,6 +136,13 @@ class GenerationRequest:
     parse_tools: bool = False
     # Keep at most the first tool call (parallel_tool_calls: false).
     single_tool_call: bool = False
+    # Grammar-constrained decoding for this sequence (structured output, forced tool calls).
+    constraint: Constraint | None = None
+    # Cap on reasoning tokens before the end-of-thinking marker is forced: None unlimited,
+    # 0 no thinking at all (thinking_budget_tokens, Anthropic thinking.budget_tokens).
+    thinking_budget: int | None = None
+    # Number of choices (OpenAI n): that many sequences sharing one prompt prefill.
+    n: int = 1
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
