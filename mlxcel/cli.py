@@ -348,6 +348,51 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         metavar="STR",
         help="DRY sequence breaker (repeatable; replaces the defaults)",
     )
+    for flag, env, kind, default, what in (
+        (
+            "--responses-store-max-entries",
+            "LLAMA_ARG_RESPONSES_STORE_MAX_ENTRIES",
+            int,
+            d.responses_store_max_entries,
+            "stored Responses kept (oldest evicted first); 0 = store none",
+        ),
+        (
+            "--responses-store-max-bytes",
+            "MLXCEL_RESPONSES_STORE_MAX_BYTES",
+            int,
+            d.responses_store_max_bytes,
+            "bytes of stored Responses kept; 0 = no byte bound",
+        ),
+        (
+            "--responses-store-ttl-secs",
+            "LLAMA_ARG_RESPONSES_STORE_TTL_SECS",
+            float,
+            d.responses_store_ttl_secs,
+            "seconds a stored Response is kept; 0 = no TTL",
+        ),
+        (
+            "--conversation-store-max-entries",
+            "LLAMA_ARG_CONVERSATION_STORE_MAX_ENTRIES",
+            int,
+            d.conversation_store_max_entries,
+            "conversations kept (least recently written evicted first); 0 = none",
+        ),
+        (
+            "--conversation-store-max-bytes",
+            "MLXCEL_CONVERSATION_STORE_MAX_BYTES",
+            int,
+            d.conversation_store_max_bytes,
+            "bytes of conversations kept; 0 = no byte bound",
+        ),
+        (
+            "--conversation-store-ttl-secs",
+            "LLAMA_ARG_CONVERSATION_STORE_TTL_SECS",
+            float,
+            d.conversation_store_ttl_secs,
+            "seconds a conversation is kept after its last write; 0 = no TTL",
+        ),
+    ):
+        opt(flag, env=env, type=kind, default=default, help=what)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
 
 
@@ -412,6 +457,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--embedding-queue-depth": args.embedding_queue_depth >= 1,
         "--embedding-request-timeout-secs": args.embedding_request_timeout_secs > 0,
         "--embd-normalize": args.embd_normalize >= -1,
+        "--responses-store-max-entries": args.responses_store_max_entries >= 0,
+        "--responses-store-max-bytes": args.responses_store_max_bytes >= 0,
+        "--responses-store-ttl-secs": args.responses_store_ttl_secs >= 0,
+        "--conversation-store-max-entries": args.conversation_store_max_entries >= 0,
+        "--conversation-store-max-bytes": args.conversation_store_max_bytes >= 0,
+        "--conversation-store-ttl-secs": args.conversation_store_ttl_secs >= 0,
     }
     for flag, ok in checks.items():
         if not ok:
@@ -451,6 +502,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         embedding_request_timeout_secs=args.embedding_request_timeout_secs,
         embd_normalize=args.embd_normalize,
         pooling=args.pooling,
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_ttl_secs=args.responses_store_ttl_secs,
+        conversation_store_max_entries=args.conversation_store_max_entries,
+        conversation_store_max_bytes=args.conversation_store_max_bytes,
+        conversation_store_ttl_secs=args.conversation_store_ttl_secs,
     )
 
 

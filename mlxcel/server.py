@@ -22,6 +22,7 @@ from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
 from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.actors.scheduler import Scheduler
+from mlxcel.actors.session_store import open_session_store
 from mlxcel.actors.side_models import GenerationDisabled, start_side_models
 from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
@@ -133,6 +134,8 @@ async def serve(
         gate = Admission if side.generation else GenerationDisabled
         admission = gate(max_queue_depth=settings.max_queue_depth, outbox=submit_tx, aborts=aborts)
         await root.start(admission.run)
+        session_store = open_session_store(settings)
+        await root.start(session_store.run)
 
         ctx = ServerContext(
             settings=settings,
@@ -146,6 +149,7 @@ async def serve(
             scheduler_tx=tokenized_tx.clone(),
             metrics=metrics,
             tool_format=tool_format,
+            session_store=session_store,
         )
         metrics.live.running = lambda: scheduler.running
         metrics.live.waiting = lambda: scheduler.waiting

@@ -12,6 +12,7 @@ from mlxcel.actors.admission import Admission
 from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.scheduler import Scheduler
+from mlxcel.actors.session_store import SessionStore
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime.errors import NotFound
@@ -40,6 +41,8 @@ class ServerContext:
     embedder: Embedder | None = None
     reranker: Embedder | None = None
     generation: bool = True
+    # Stored Responses and conversations, and the responses being generated now.
+    session_store: SessionStore | None = None
 
     @property
     def model_id(self) -> str:

@@ -71,6 +71,14 @@ class Settings:
     metrics_endpoint: bool = False
     slots_endpoint: bool = True
     props_endpoint: bool = False
+    # Stored Responses and conversations (SQLite under cache_dir): entries 0 turns a store
+    # off; bytes and TTL 0 mean unbounded.
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 268435456
+    responses_store_ttl_secs: float = 3600.0
+    conversation_store_max_entries: int = 256
+    conversation_store_max_bytes: int = 67108864
+    conversation_store_ttl_secs: float = 3600.0
 
     @property
     def cache_enabled(self) -> bool:

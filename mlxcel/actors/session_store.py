@@ -1,0 +1,153 @@
+"""The session-store actor: owns stored Responses, conversations, and the running responses.
+
+Stored documents live in embedded SQLite (``session_db.SessionDB``) under the cache dir. All
+sqlite3 calls run on one worker thread that this actor starts and owns; callers on the Trio
+thread ``await`` the methods below and never touch the database. Writes are committed before
+a method returns, so whatever a client was told is stored survives a restart or ``kill -9``.
+
+The actor also keeps the registry of responses being generated right now (process-local, not
+persisted), so that ``POST /v1/responses/{id}/cancel`` can stop one and ``GET`` can show it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+from mlxcel.actors.session_db import Limits, SessionDB, Table
+from mlxcel.runtime.settings import Settings
+from mlxcel.runtime.slot import OutputSlot
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_Job = Callable[[SessionDB], None]
+SESSION_DB = "sessions.sqlite3"
+
+
+class Running:
+    """A response being generated: its live snapshot, and how to stop it."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], slot: OutputSlot) -> None:
+        self.snapshot = snapshot
+        self.slot = slot
+        self.cancel_requested = False
+        # Set once the handler has finished the response (and stored it, if asked to).
+        self.done = trio.Event()
+
+    def cancel(self) -> None:
+        """Abort the generation and wake its handler, which ends the response `cancelled`."""
+        self.cancel_requested = True
+        self.slot.cancel()
+        # A request still waiting for a place would never hear of the abort: wake it here.
+        self.slot.finish("abort")
+
+
+class SessionStore:
+    def __init__(self, path: Path | str, limits: dict[Table, Limits]) -> None:
+        self.path = path
+        self.limits = limits
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.running: dict[str, Running] = {}
+
+    def enabled(self, table: Table) -> bool:
+        return self.limits[table].enabled
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Open the database on the store's thread and serve calls until cancelled.
+
+        On cancellation the thread finishes the call it is running (a transaction is never cut
+        in half), closes the database and exits; this coroutine waits for that, shielded."""
+        thread = threading.Thread(target=self._serve, name="session-store", daemon=True)
+        thread.start()
+        try:
+            # The first call fails here (and stops start-up) if the file cannot be opened.
+            await self.call(lambda db: None)
+            log.info("session store at %s", self.path)
+            task_status.started()
+            await trio.sleep_forever()
+        finally:
+            self._jobs.put(None)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join)
+
+    def _serve(self) -> None:
+        try:
+            db = SessionDB(self.path, self.limits)
+        except BaseException as error:  # reported to every caller instead of a dead thread
+            failure = error
+            while (job := self._jobs.get()) is not None:
+                job(_Broken(failure))  # type: ignore[arg-type]
+            return
+        try:
+            while (job := self._jobs.get()) is not None:
+                job(db)
+        finally:
+            db.close()
+
+    async def call(self, fn: Callable[[SessionDB], T]) -> T:
+        """Run ``fn(db)`` on the store's thread and return its result (or raise its error).
+
+        Cancellation: the caller stops waiting, but a call already queued still runs to its
+        commit; nothing is left half-written."""
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        result: list[outcome.Outcome[T]] = []
+
+        def job(db: SessionDB) -> None:
+            result.append(outcome.capture(fn, db))
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        self._jobs.put(job)
+        await done.wait()
+        return result[0].unwrap()
+
+    # --- typed calls -----------------------------------------------------------------------
+
+    async def get(self, table: Table, key: str) -> dict[str, Any] | None:
+        return await self.call(lambda db: db.get(table, key))
+
+    async def put(self, table: Table, key: str, body: dict[str, Any]) -> bool:
+        return await self.call(lambda db: db.put(table, key, body))
+
+    async def delete(self, table: Table, key: str) -> bool:
+        return await self.call(lambda db: db.delete(table, key))
+
+
+class _Broken:
+    """Stands in for a database that failed to open: every call raises the opening error."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def __getattr__(self, name: str) -> Any:
+        raise self._error
+
+
+def open_session_store(settings: Settings) -> SessionStore:
+    """The store the server's flags describe, in ``<cache dir>/sessions.sqlite3``."""
+    limits: dict[Table, Limits] = {
+        "responses": Limits(
+            max_entries=settings.responses_store_max_entries,
+            max_bytes=settings.responses_store_max_bytes,
+            ttl_secs=settings.responses_store_ttl_secs,
+        ),
+        "conversations": Limits(
+            max_entries=settings.conversation_store_max_entries,
+            max_bytes=settings.conversation_store_max_bytes,
+            ttl_secs=settings.conversation_store_ttl_secs,
+        ),
+    }
+    on = any(lim.enabled for lim in limits.values())
+    # With both stores off nothing is written to disk.
+    return SessionStore(settings.cache_dir / SESSION_DB if on else ":memory:", limits)

@@ -1,0 +1,417 @@
+"""OpenAI Responses routes: /v1/responses (+ alias), retrieve, delete, cancel, input_items,
+input_tokens.
+
+Create follows the chat route's shape: validate (400 before any work), load the history a
+``previous_response_id`` or ``conversation`` names from the session store, submit (503 before
+any byte), wait for tokenization, then collect or stream. The handler registers the response
+as running, so ``/cancel`` can end it: cancel aborts the generation and wakes the handler,
+which finishes the response as ``cancelled``. Whatever way the handler ends, its ``finally``
+cancels the slot (a disconnect aborts the generation at the next step boundary) and removes
+the running entry. A stored response is written before its last event is sent, so a client
+that saw ``response.completed`` can retrieve it at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from quart import Blueprint, Response, request
+
+from mlxcel.actors.session_store import Running, SessionStore
+from mlxcel.actors.side_models import require_generation
+from mlxcel.http import sse
+from mlxcel.http.context import ServerContext, server
+from mlxcel.http.openai import read_json, start_generation
+from mlxcel.http.responses_output import OutputBuilder, response_object, usage
+from mlxcel.http.responses_wire import (
+    ResponsesBody,
+    conversation_id,
+    generation_request,
+    input_items,
+    new_id,
+    parse_body,
+)
+from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound
+from mlxcel.runtime.messages import GenerationRequest
+from mlxcel.runtime.slot import OutputSlot
+
+bp = Blueprint("responses", __name__)
+
+STORE_OFF = (
+    "Response storage is disabled on this server (--responses-store-max-entries 0): "
+    "responses are not kept, so they cannot be retrieved, cancelled or chained."
+)
+CONVERSATIONS_OFF = (
+    "Conversations are disabled on this server (--conversation-store-max-entries 0)."
+)
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(
+        json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json"
+    )
+
+
+def store_of(ctx: ServerContext) -> SessionStore:
+    assert ctx.session_store is not None
+    return ctx.session_store
+
+
+# --- history ---------------------------------------------------------------------------------
+
+
+async def load_history(
+    store: SessionStore, body: ResponsesBody
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Earlier turns as items, and the conversation this turn belongs to (if any)."""
+    if body.previous_response_id is not None:
+        if not store.enabled("responses"):
+            raise InvalidRequest(STORE_OFF, param="previous_response_id")
+        prev = await store.get("responses", body.previous_response_id)
+        if prev is None:
+            raise NotFound(
+                f"Previous response with id '{body.previous_response_id}' not found.",
+                param="previous_response_id",
+            )
+        return list(prev["context"]), None
+    conv = conversation_id(body.conversation)
+    if conv is None:
+        return [], None
+    if not store.enabled("conversations"):
+        raise InvalidRequest(CONVERSATIONS_OFF, param="conversation")
+    stored = await store.get("conversations", conv)
+    return (list(stored["items"]) if stored else []), conv
+
+
+async def _append_to_conversation(
+    store: SessionStore, conv: str, items: list[dict[str, Any]]
+) -> None:
+    stored = await store.get("conversations", conv) or new_conversation(conv, {})
+    stored["items"] = [*stored["items"], *items]
+    await store.put("conversations", conv, stored)
+
+
+def new_conversation(conv: str, metadata: dict[str, Any]) -> dict[str, Any]:
+    # A conversation id first seen in a `conversation` field starts an empty conversation.
+    return {"id": conv, "created_at": int(time.time()), "metadata": metadata, "items": []}
+
+
+# --- create ----------------------------------------------------------------------------------
+
+
+def _echo(
+    ctx: ServerContext, body: ResponsesBody, rid: str, model: str, conv: str | None, stored: bool
+) -> dict[str, Any]:
+    defaults = ctx.settings.sampling
+    tools = [
+        {
+            "type": "function",
+            "name": t["name"],
+            "description": t.get("description"),
+            "parameters": t.get("parameters"),
+            "strict": t.get("strict"),
+        }
+        for t in body.tools or []
+    ]
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": model,
+        "instructions": body.instructions,
+        "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "max_tool_calls": body.max_tool_calls,
+        "temperature": defaults.temperature if body.temperature is None else body.temperature,
+        "top_p": defaults.top_p if body.top_p is None else body.top_p,
+        "top_logprobs": body.top_logprobs,
+        "tool_choice": body.tool_choice or "auto",
+        "tools": tools,
+        "max_output_tokens": body.max_output_tokens,
+        "previous_response_id": body.previous_response_id,
+        "conversation": {"id": conv} if conv else None,
+        "reasoning": body.reasoning,
+        "text": body.text or {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "store": stored,
+        "background": False,
+        "user": body.user,
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
+        "service_tier": body.service_tier or "default",
+    }
+
+
+class _Turn:
+    """One create request while it runs: builds events, the final object, and stores it."""
+
+    def __init__(
+        self,
+        ctx: ServerContext,
+        body: ResponsesBody,
+        gen: GenerationRequest,
+        slot: OutputSlot,
+        base: dict[str, Any],
+        items: list[dict[str, Any]],
+        history: list[dict[str, Any]],
+        conv: str | None,
+    ) -> None:
+        self.ctx = ctx
+        self.slot = slot
+        self.base = base
+        self.items = items
+        self.history = history
+        self.conv = conv
+        self.store = store_of(ctx)
+        self.builder = OutputBuilder(
+            ctx.info.tokenizer, gen.logprobs is not None, body.max_tool_calls
+        )
+        self.running = Running(self.snapshot, slot)
+        self._seq = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return response_object(self.base, "in_progress", self.builder.items)
+
+    def event(self, event: dict[str, Any]) -> bytes:
+        frame = {**event, "sequence_number": self._seq}
+        self._seq += 1
+        return sse.event(event["type"], frame)
+
+    async def finish(self, finish_reason: str | None, error: MlxcelError | None) -> dict[str, Any]:
+        """Close the output, build the final object, store it when asked; returns the object."""
+        cut = finish_reason == "length"
+        self.final_events = self.builder.finish(incomplete=cut)
+        slot = self.slot
+        if error is not None:
+            status = "failed"
+        elif self.running.cancel_requested:
+            status = "cancelled"
+        elif cut:
+            status = "incomplete"
+        else:
+            status = "completed"
+        reasoning = "".join(self.builder.reasoning_text)
+        n_reasoning = 0
+        if reasoning:
+            tok = self.ctx.info.tokenizer
+            n_reasoning = len(
+                await trio.to_thread.run_sync(
+                    lambda: tok.encode(reasoning, add_special_tokens=False)
+                )
+            )
+        obj = response_object(
+            self.base,
+            status,
+            self.builder.items,
+            usage=usage(
+                slot.prompt_tokens, slot.completion_tokens, slot.cached_tokens, n_reasoning
+            ),
+            error={"code": "server_error", "message": error.message} if error else None,
+            incomplete_reason="max_output_tokens" if status == "incomplete" else None,
+        )
+        output = obj["output"]
+        if self.base["store"]:
+            context = [*self.history, *self.items, *output]
+            await self.store.put(
+                "responses",
+                self.base["id"],
+                {"response": obj, "input_items": self.items, "context": context},
+            )
+        if self.conv is not None and status in ("completed", "incomplete"):
+            await _append_to_conversation(self.store, self.conv, [*self.items, *output])
+        return obj
+
+
+@bp.post("/v1/responses")
+@bp.post("/responses")
+async def create() -> Response:
+    ctx = server()
+    require_generation(ctx.generation)
+    body = parse_body(await read_json())
+    model = ctx.check_model(body.model)
+    store = store_of(ctx)
+    items = input_items(body.input)
+    history, conv = await load_history(store, body)
+    rid = new_id("resp")
+    gen = generation_request(
+        body, rid, [*history, *items], ctx.settings.sampling, len(ctx.info.tokenizer)
+    )
+    if gen.parse_tools and ctx.tool_format is None:
+        raise InvalidRequest(
+            "This model's chat template has no tool-call format, so it cannot call tools.",
+            param="tools",
+        )
+    stored = body.store is not False and store.enabled("responses")
+    base = _echo(ctx, body, rid, model, conv, stored)
+    slot = await start_generation(ctx, gen)
+    turn = _Turn(ctx, body, gen, slot, base, items, history, conv)
+    store.running[rid] = turn.running
+    if body.stream:
+        return Response(_stream(turn), content_type="text/event-stream", headers=sse.HEADERS)
+    try:
+        finish, error = None, None
+        try:
+            while finish is None:
+                update = await slot.next()
+                assert update is not None  # no timeout given
+                turn.builder.feed(update)
+                finish = update.finish_reason
+        except MlxcelError as failure:
+            error = failure
+        obj = await turn.finish(finish, error)
+    finally:
+        _close(turn)
+    return _json(obj)
+
+
+def _close(turn: _Turn) -> None:
+    turn.slot.cancel()
+    turn.running.done.set()
+    turn.store.running.pop(turn.base["id"], None)
+
+
+async def _stream(turn: _Turn) -> AsyncIterator[bytes]:
+    """The typed event stream. Cancellation (the client went away) aborts the generation in
+    the ``finally``; nothing is stored for a response nobody received."""
+    ctx = turn.ctx
+    ping = ctx.settings.sse_ping_interval if ctx.settings.sse_ping_enabled else float("inf")
+    try:
+        start = turn.snapshot()
+        yield turn.event({"type": "response.created", "response": start})
+        yield turn.event({"type": "response.in_progress", "response": start})
+        finish, error = None, None
+        while finish is None:
+            try:
+                update = await turn.slot.next(timeout=ping)
+            except MlxcelError as failure:
+                error = failure
+                break
+            if update is None:
+                yield sse.KEEPALIVE
+                continue
+            for event in turn.builder.feed(update):
+                yield turn.event(event)
+            finish = update.finish_reason
+        obj = await turn.finish(finish, error)
+        for event in turn.final_events:
+            yield turn.event(event)
+        terminal = {
+            "completed": "response.completed",
+            "failed": "response.failed",
+            "incomplete": "response.incomplete",
+            # No event type means "cancelled"; the object's status says it.
+            "cancelled": "response.incomplete",
+        }[obj["status"]]
+        yield turn.event({"type": terminal, "response": obj})
+    finally:
+        _close(turn)
+
+
+# --- retrieve, delete, cancel, input items ---------------------------------------------------
+
+
+async def _stored(rid: str) -> dict[str, Any]:
+    store = store_of(server())
+    if not store.enabled("responses"):
+        raise InvalidRequest(STORE_OFF)
+    found = await store.get("responses", rid)
+    if found is None:
+        raise NotFound(f"Response with id '{rid}' not found.")
+    return found
+
+
+@bp.get("/v1/responses/<rid>")
+@bp.get("/responses/<rid>")
+async def retrieve(rid: str) -> Response:
+    running = store_of(server()).running.get(rid)
+    if running is not None:
+        return _json(running.snapshot())
+    if request.args.get("stream") in ("true", "1"):
+        raise InvalidRequest("streaming a stored response again is not supported", param="stream")
+    return _json((await _stored(rid))["response"])
+
+
+@bp.delete("/v1/responses/<rid>")
+@bp.delete("/responses/<rid>")
+async def delete(rid: str) -> Response:
+    store = store_of(server())
+    if not store.enabled("responses"):
+        raise InvalidRequest(STORE_OFF)
+    deleted = await store.delete("responses", rid)
+    return _json({"id": rid, "object": "response.deleted", "deleted": deleted})
+
+
+@bp.post("/v1/responses/<rid>/cancel")
+@bp.post("/responses/<rid>/cancel")
+async def cancel(rid: str) -> Response:
+    store = store_of(server())
+    running = store.running.get(rid)
+    if running is not None:
+        running.cancel()
+        # Give the handler a moment to finish and store the cancelled response, so a GET
+        # right after this answer sees it.
+        with trio.move_on_after(10):
+            await running.done.wait()
+        snapshot = running.snapshot()
+        found = await store.get("responses", rid) if store.enabled("responses") else None
+        return _json(found["response"] if found else {**snapshot, "status": "cancelled"})
+    found = await _stored(rid)
+    found["response"]["status"] = "cancelled"
+    await store.put("responses", rid, found)
+    return _json(found["response"])
+
+
+@bp.get("/v1/responses/<rid>/input_items")
+@bp.get("/responses/<rid>/input_items")
+async def list_input_items(rid: str) -> Response:
+    return _json(page(list((await _stored(rid))["input_items"])))
+
+
+def page(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's cursor list from the query string: limit (1..100, default 20), order (desc by
+    default), after / before an item id."""
+    args = request.args
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc", param="order")
+    try:
+        limit = int(args.get("limit", 20))
+    except ValueError:
+        raise InvalidRequest("limit must be an integer", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("limit must be between 1 and 100", param="limit")
+    if order == "desc":
+        items = items[::-1]
+    ids = [item["id"] for item in items]
+    for cursor, shift in (("after", 1), ("before", 0)):
+        if (value := args.get(cursor)) is not None:
+            if value not in ids:
+                raise InvalidRequest(f"no item with id '{value}'", param=cursor)
+            cut = ids.index(value)
+            items = items[cut + 1 :] if shift else items[:cut]
+            ids = [item["id"] for item in items]
+    chosen = items[:limit]
+    return {
+        "object": "list",
+        "data": chosen,
+        "first_id": chosen[0]["id"] if chosen else "",
+        "last_id": chosen[-1]["id"] if chosen else "",
+        "has_more": len(items) > limit,
+    }
+
+
+@bp.post("/v1/responses/input_tokens")
+@bp.post("/responses/input_tokens")
+async def input_tokens() -> Response:
+    ctx = server()
+    body = parse_body(await read_json())
+    ctx.check_model(body.model)
+    history, _ = await load_history(store_of(ctx), body)
+    items = input_items(body.input) if body.input is not None else []
+    gen = generation_request(body, new_id("resp"), [*history, *items], ctx.settings.sampling)
+    n = len(await trio.to_thread.run_sync(ctx.tokenizer.encode, gen))
+    return _json({"object": "response.input_tokens", "input_tokens": n})
