@@ -1,0 +1,152 @@
+"""The session store's SQLite database: limits, TTL, restart, and a writer killed mid-write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from mlxcel.actors.session_db import Limits, SessionDB, Table
+from mlxcel.actors.session_store import SessionStore
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def limits(**responses: float) -> dict[Table, Limits]:
+    return {
+        "responses": Limits(**{"max_entries": 1024, **responses}),  # type: ignore[arg-type]
+        "conversations": Limits(max_entries=8),
+    }
+
+
+def test_entry_bound_evicts_the_oldest(tmp_path: Path) -> None:
+    db = SessionDB(tmp_path / "s.sqlite3", limits(max_entries=3))
+    for i in range(5):
+        assert db.put("responses", f"r{i}", {"n": i})
+    assert [db.get("responses", f"r{i}") for i in range(5)] == [
+        None,
+        None,
+        {"n": 2},
+        {"n": 3},
+        {"n": 4},
+    ]
+    assert db.count("responses")[0] == 3
+    # The other table has its own bound.
+    assert db.put("conversations", "c", {"items": []})
+    assert db.count("responses")[0] == 3
+
+
+def test_byte_bound_evicts_until_the_total_fits(tmp_path: Path) -> None:
+    db = SessionDB(tmp_path / "s.sqlite3", limits(max_bytes=100))
+    body = {"text": "x" * 30}  # 41 bytes of JSON
+    for i in range(4):
+        db.put("responses", f"r{i}", body)
+    n, total = db.count("responses")
+    assert n == 2 and total <= 100
+    assert db.get("responses", "r3") == body and db.get("responses", "r0") is None
+    # A body larger than the whole bound is refused, and evicts nothing.
+    assert not db.put("responses", "big", {"text": "y" * 200})
+    assert db.get("responses", "big") is None and db.count("responses")[0] == 2
+
+
+def test_ttl_with_a_fake_clock(tmp_path: Path) -> None:
+    now = [1000.0]
+    db = SessionDB(tmp_path / "s.sqlite3", limits(ttl_secs=60), clock=lambda: now[0])
+    db.put("responses", "old", {"n": 1})
+    now[0] += 30
+    db.put("responses", "young", {"n": 2})
+    now[0] += 31  # "old" is 61 s old, "young" 31 s
+    assert db.get("responses", "old") is None
+    assert db.get("responses", "young") == {"n": 2}
+    now[0] += 30
+    db.put("responses", "new", {"n": 3})  # a write sweeps expired rows
+    assert db.count("responses")[0] == 1
+
+
+def test_zero_entries_stores_nothing(tmp_path: Path) -> None:
+    db = SessionDB(tmp_path / "s.sqlite3", limits(max_entries=0))
+    assert not db.put("responses", "r", {"n": 1})
+    assert db.get("responses", "r") is None
+
+
+def test_rows_survive_a_restart_and_delete_is_durable(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite3"
+    db = SessionDB(path, limits())
+    db.put("responses", "keep", {"a": [1, 2]})
+    db.put("responses", "drop", {"b": 1})
+    assert db.delete("responses", "drop") and not db.delete("responses", "drop")
+    db.close()
+    again = SessionDB(path, limits())
+    assert again.get("responses", "keep") == {"a": [1, 2]}
+    assert again.get("responses", "drop") is None
+
+
+def test_an_unreadable_file_is_moved_aside(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite3"
+    path.write_bytes(b"this is not a database" * 100)
+    db = SessionDB(path, limits())
+    assert db.put("responses", "r", {"n": 1}) and db.get("responses", "r") == {"n": 1}
+    assert any(p.name.startswith("s.sqlite3.corrupt-") for p in tmp_path.iterdir())
+
+
+WRITER = """
+import sys
+from mlxcel.actors.session_db import Limits, SessionDB
+db = SessionDB(sys.argv[1], {"responses": Limits(max_entries=100),
+                             "conversations": Limits(max_entries=1)})
+i = 0
+while True:
+    db.put("responses", f"r{i}", {"i": i, "pad": "z" * 2000})
+    i += 1
+    if i == 50:
+        print("ready", flush=True)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_a_consistent_store(tmp_path: Path) -> None:
+    path = tmp_path / "s.sqlite3"
+    for _ in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)  # let it write (and evict) some more, then kill it mid-loop
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        db = SessionDB(path, limits())
+        n, _ = db.count("responses")
+        assert 50 <= n <= 100  # the bound held through every committed write
+        (latest,) = db._db.execute(
+            "SELECT id FROM responses ORDER BY written DESC, rowid DESC LIMIT 1"
+        ).fetchone()
+        body = db.get("responses", latest)
+        assert body is not None and body["pad"] == "z" * 2000
+        assert db._db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        db.close()
+
+
+async def test_the_actor_serves_calls_from_its_own_thread(tmp_path: Path) -> None:
+    store = SessionStore(tmp_path / "s.sqlite3", limits())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        assert await store.put("responses", "r", {"n": 1})
+        assert await store.get("responses", "r") == {"n": 1}
+        threads = await store.call(lambda db: __import__("threading").current_thread().name)
+        assert threads == "session-store"
+        assert await store.delete("responses", "r")
+        nursery.cancel_scope.cancel()
+    # The thread closed the database on the way out; a new actor reads the same file.
+    again = SessionStore(tmp_path / "s.sqlite3", limits())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(again.run)
+        assert await again.get("responses", "r") is None
+        nursery.cancel_scope.cancel()
