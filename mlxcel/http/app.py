@@ -8,7 +8,17 @@ from quart import Response, current_app, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mlxcel.http import completion, embeddings, health, native, openai, ops, responses, security
+from mlxcel.http import (
+    completion,
+    conversations,
+    embeddings,
+    health,
+    native,
+    openai,
+    ops,
+    responses,
+    security,
+)
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
@@ -43,6 +53,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(openai.bp, url_prefix=prefix)
     app.register_blueprint(embeddings.bp, url_prefix=prefix)
     app.register_blueprint(responses.bp, url_prefix=prefix)
+    app.register_blueprint(conversations.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:
