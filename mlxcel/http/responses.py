@@ -223,7 +223,15 @@ class _Turn:
             )
         if self.conv is not None and status in ("completed", "incomplete"):
             await _append_to_conversation(self.store, self.conv, [*self.items, *output])
+        # Finished and stored: from here on GET and /cancel read the stored object.
+        self.close()
         return obj
+
+    def close(self) -> None:
+        """Abort whatever is still running and leave the running registry. Idempotent."""
+        self.slot.cancel()
+        self.running.done.set()
+        self.store.running.pop(self.base["id"], None)
 
 
 @bp.post("/v1/responses")
@@ -264,14 +272,8 @@ async def create() -> Response:
             error = failure
         obj = await turn.finish(finish, error)
     finally:
-        _close(turn)
+        turn.close()
     return _json(obj)
-
-
-def _close(turn: _Turn) -> None:
-    turn.slot.cancel()
-    turn.running.done.set()
-    turn.store.running.pop(turn.base["id"], None)
 
 
 async def _stream(turn: _Turn) -> AsyncIterator[bytes]:
@@ -308,7 +310,7 @@ async def _stream(turn: _Turn) -> AsyncIterator[bytes]:
         }[obj["status"]]
         yield turn.event({"type": terminal, "response": obj})
     finally:
-        _close(turn)
+        turn.close()
 
 
 # --- retrieve, delete, cancel, input items ---------------------------------------------------
