@@ -195,7 +195,7 @@ class OutputBuilder:
             if self._max_calls is not None and event.index >= self._max_calls:
                 return []
             events = self._close("completed")
-            item = {
+            item: dict[str, Any] = {
                 "id": new_id("fc"),
                 "type": "function_call",
                 "call_id": event.id,
@@ -208,13 +208,13 @@ class OutputBuilder:
             self._calls[event.index] = item
             added = {"type": "response.output_item.added", "output_index": len(self.items) - 1}
             return [*events, {**added, "item": _copy(item)}]
-        if isinstance(event, ToolCallArgs) and (item := self._calls.get(event.index)) is not None:
-            item["arguments"] += event.fragment
+        if isinstance(event, ToolCallArgs) and (call := self._calls.get(event.index)) is not None:
+            call["arguments"] += event.fragment
             return [
                 {
                     "type": "response.function_call_arguments.delta",
-                    "item_id": item["id"],
-                    "output_index": self.items.index(item),
+                    "item_id": call["id"],
+                    "output_index": self.items.index(call),
                     "delta": event.fragment,
                 }
             ]

@@ -312,7 +312,7 @@ def template_tools(value: Any) -> tuple[dict[str, object], ...] | None:
         raise InvalidRequest("tools must be a list", param="tools")
     if len(value) > MAX_TOOLS:
         raise InvalidRequest(f"at most {MAX_TOOLS} tools are supported", param="tools")
-    out = []
+    out: list[dict[str, object]] = []
     for i, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":

@@ -335,3 +335,18 @@ async def test_with_the_store_off_nothing_is_retrievable(
     assert r.status_code == 200 and r.json()["store"] is False
     assert got.status_code == 400 and "disabled" in got.json()["error"]["message"]
     assert chained.status_code == 400 and chained.json()["error"]["param"] == "previous_response_id"
+
+
+async def test_keepalive_comments_flow_while_the_prompt_is_read(
+    smollm_tokenizer: Any, tmp_path: Path
+) -> None:
+    async with server(
+        smollm_tokenizer, tmp_path, ctx_size=16384, step_delay=0.1, sse_ping_interval=0.15
+    ) as (client, *_):
+        body = {"input": "word " * 3000, "stream": True, "max_output_tokens": 1}
+        async with client.stream("POST", "/v1/responses", json=body) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+    events = [line[7:] for line in lines if line.startswith("event: ")]
+    assert events[:2] == ["response.created", "response.in_progress"]
+    assert ": keepalive" in lines[lines.index("event: response.in_progress") :]
+    assert events[-1] == "response.incomplete"
