@@ -250,6 +250,14 @@ def response_object(
 ) -> dict[str, Any]:
     """The full response: the echoed request fields in ``base``, plus state and output."""
     finished = status in ("completed", "incomplete", "failed", "cancelled")
+    # The SDKs compute `output_text` themselves; curl users and thin clients read it here.
+    text = "".join(
+        part["text"]
+        for item in output
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )
     return {
         **base,
         "status": status,
@@ -257,5 +265,6 @@ def response_object(
         "error": error,
         "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
         "output": _copy({"o": output})["o"],
+        "output_text": text,
         "usage": usage if finished else None,
     }

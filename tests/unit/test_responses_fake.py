@@ -333,6 +333,7 @@ async def test_with_the_store_off_nothing_is_retrievable(
             "/v1/responses", json={"input": "Hi", "previous_response_id": rid}
         )
     assert r.status_code == 200 and r.json()["store"] is False
+    assert r.json()["output_text"] == "Hello there, friend."
     assert got.status_code == 400 and "disabled" in got.json()["error"]["message"]
     assert chained.status_code == 400 and chained.json()["error"]["param"] == "previous_response_id"
 
@@ -350,3 +351,45 @@ async def test_keepalive_comments_flow_while_the_prompt_is_read(
     assert events[:2] == ["response.created", "response.in_progress"]
     assert ": keepalive" in lines[lines.index("event: response.in_progress") :]
     assert events[-1] == "response.incomplete"
+
+
+TWO_CALLS = "".join(
+    f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
+    for city in ("Paris", "Rome")
+)
+
+
+async def test_max_tool_calls_keeps_the_first_calls(smollm_tokenizer: Any, tmp_path: Path) -> None:
+    async with server(smollm_tokenizer, tmp_path, TWO_CALLS) as (client, *_):
+        body: dict[str, Any] = {"input": "Weather?", "tools": [WEATHER_TOOL]}
+        both = (await client.post("/v1/responses", json=body)).json()
+        one = (await client.post("/v1/responses", json={**body, "max_tool_calls": 1})).json()
+    cities = [json.loads(i["arguments"])["city"] for i in both["output"]]
+    assert cities == ["Paris", "Rome"]
+    assert [json.loads(i["arguments"])["city"] for i in one["output"]] == ["Paris"]
+    assert len({i["call_id"] for i in both["output"]}) == 2
+
+
+async def test_cancel_ends_a_non_streaming_request(smollm_tokenizer: Any, tmp_path: Path) -> None:
+    async with server(smollm_tokenizer, tmp_path, step_delay=0.02, eos_after=None) as (
+        client,
+        _,
+        ctx,
+        _,
+        backend,
+    ):
+        result: dict[str, Any] = {}
+
+        async def create() -> None:
+            body = {"input": "Hi", "max_output_tokens": 100_000}
+            result["r"] = await client.post("/v1/responses", json=body)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(create)
+            await wait_until(lambda: bool(store_running(ctx)) and backend.steps > 5)
+            (rid,) = store_running(ctx)
+            cancelled = await client.post(f"/v1/responses/{rid}/cancel")
+    body = result["r"].json()
+    assert body["id"] == rid and body["status"] == "cancelled"
+    assert cancelled.json()["status"] == "cancelled"
+    assert 0 < body["usage"]["output_tokens"] < 100_000
