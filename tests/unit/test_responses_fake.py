@@ -393,3 +393,44 @@ async def test_cancel_ends_a_non_streaming_request(smollm_tokenizer: Any, tmp_pa
     assert body["id"] == rid and body["status"] == "cancelled"
     assert cancelled.json()["status"] == "cancelled"
     assert 0 < body["usage"]["output_tokens"] < 100_000
+
+
+async def test_a_failure_mid_stream_ends_with_response_failed(
+    smollm_tokenizer: Any, tmp_path: Path
+) -> None:
+    import attrs
+
+    async with server(smollm_tokenizer, tmp_path, step_delay=0.01, eos_after=None) as (
+        client,
+        _,
+        _,
+        _,
+        backend,
+    ):
+        apply = backend.apply
+
+        def failing(plan: Any) -> Any:
+            out = apply(plan)
+            if backend.steps == 6:  # a few tokens in, the step fails for every sequence
+                rids = {t.request_id for t in out.tokens}
+                for rid in rids:
+                    backend._seqs.pop(rid, None)
+                return attrs.evolve(out, tokens=(), errors=tuple((r, "boom") for r in rids))
+            return out
+
+        backend.apply = failing  # type: ignore[method-assign]
+        body = {"input": "Hi", "stream": True, "max_output_tokens": 100}
+        async with client.stream("POST", "/v1/responses", json=body) as r:
+            frames = [
+                json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")
+            ]
+        rid = frames[0]["response"]["id"]
+        stored = (await client.get(f"/v1/responses/{rid}")).json()
+    last = frames[-1]
+    assert last["type"] == "response.failed"
+    assert last["response"]["status"] == "failed"
+    assert last["response"]["error"]["code"] == "server_error"
+    assert "boom" in last["response"]["error"]["message"]
+    assert stored["status"] == "failed"
+    # The output streamed before the failure is closed properly before the terminal event.
+    assert frames[-2]["type"] == "response.output_item.done"
