@@ -410,6 +410,7 @@ def page(items: list[dict[str, Any]]) -> dict[str, Any]:
 @bp.post("/responses/input_tokens")
 async def input_tokens() -> Response:
     ctx = server()
+    require_generation(ctx.generation)
     body = parse_body(await read_json())
     ctx.check_model(body.model)
     history, _ = await load_history(store_of(ctx), body)

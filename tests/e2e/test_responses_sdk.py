@@ -107,6 +107,8 @@ def test_previous_response_id_chains_turns(server: ServerProcess) -> None:
     assert second.usage.input_tokens == chained.input_tokens
     assert chained.input_tokens >= alone.input_tokens + first.usage.output_tokens + 4
     assert second.previous_response_id == first.id
+    # The chained prompt starts with the first turn's: the prompt cache serves that prefix.
+    assert second.usage.input_tokens_details.cached_tokens > 0
 
 
 def test_conversation_parameter_chains_turns(server: ServerProcess) -> None:
