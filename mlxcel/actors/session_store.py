@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +69,7 @@ class SessionStore:
         thread = threading.Thread(target=self._serve, name="session-store", daemon=True)
         thread.start()
         try:
-            # The first call fails here (and stops start-up) if the file cannot be opened.
+            # Waits until the database is open (a failure to open even in memory is raised).
             await self.call(lambda db: None)
             log.info("session store at %s", self.path)
             task_status.started()
@@ -78,9 +79,24 @@ class SessionStore:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(thread.join)
 
+    def _open(self) -> SessionDB:
+        try:
+            return SessionDB(self.path, self.limits)
+        except (OSError, sqlite3.Error) as error:
+            # A read-only or broken cache dir must not stop a server that may never serve
+            # Responses: keep going in memory, and say that nothing will survive a restart.
+            log.warning(
+                "session store %s cannot be opened (%s): responses and conversations are kept "
+                "in memory only and are lost on restart",
+                self.path,
+                error,
+            )
+            self.path = ":memory:"
+            return SessionDB(self.path, self.limits)
+
     def _serve(self) -> None:
         try:
-            db = SessionDB(self.path, self.limits)
+            db = self._open()
         except BaseException as error:  # reported to every caller instead of a dead thread
             failure = error
             while (job := self._jobs.get()) is not None:

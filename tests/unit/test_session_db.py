@@ -150,3 +150,15 @@ async def test_the_actor_serves_calls_from_its_own_thread(tmp_path: Path) -> Non
         await nursery.start(again.run)
         assert await again.get("responses", "r") is None
         nursery.cancel_scope.cancel()
+
+
+async def test_an_unwritable_location_falls_back_to_memory(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    store = SessionStore(blocker / "sub" / "s.sqlite3", limits())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        assert store.path == ":memory:"
+        assert await store.put("responses", "r", {"n": 1})
+        assert await store.get("responses", "r") == {"n": 1}
+        nursery.cancel_scope.cancel()
