@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS {table} (
     nbytes INTEGER NOT NULL,
     body TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS {table}_written ON {table} (written);
+-- covering: the bound checks (COUNT, SUM(nbytes)) and eviction order read only this index
+CREATE INDEX IF NOT EXISTS {table}_age ON {table} (written, nbytes, id);
 """
 
 
@@ -167,15 +168,19 @@ class SessionDB:
         n, total = self.count(table)
         if n <= limits.max_entries and (not limits.max_bytes or total <= limits.max_bytes):
             return
-        # Oldest first; the row just written is never its own victim.
-        for key, nbytes in self._db.execute(
-            f"SELECT id, nbytes FROM {table} WHERE id != ? ORDER BY written, rowid", (keep,)
-        ).fetchall():
-            if n <= limits.max_entries and (not limits.max_bytes or total <= limits.max_bytes):
-                break
-            self._db.execute(f"DELETE FROM {table} WHERE id = ?", (key,))
-            n -= 1
-            total -= nbytes
+        # Oldest first, a small batch at a time; the row just written is never its own victim.
+        while n > limits.max_entries or (limits.max_bytes and total > limits.max_bytes):
+            batch = self._db.execute(
+                f"SELECT id, nbytes FROM {table} WHERE id != ? ORDER BY written LIMIT 32", (keep,)
+            ).fetchall()
+            if not batch:
+                return
+            for key, nbytes in batch:
+                if n <= limits.max_entries and (not limits.max_bytes or total <= limits.max_bytes):
+                    return
+                self._db.execute(f"DELETE FROM {table} WHERE id = ?", (key,))
+                n -= 1
+                total -= nbytes
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db)
