@@ -434,3 +434,22 @@ async def test_a_failure_mid_stream_ends_with_response_failed(
     assert stored["status"] == "failed"
     # The output streamed before the failure is closed properly before the terminal event.
     assert frames[-2]["type"] == "response.output_item.done"
+
+
+async def test_top_logprobs_fill_output_text_logprobs(
+    smollm_tokenizer: Any, tmp_path: Path
+) -> None:
+    async with server(smollm_tokenizer, tmp_path) as (client, sdk, *_):
+        r = await trio.to_thread.run_sync(
+            lambda: sdk.responses.create(model="fake", input="Hi", top_logprobs=2)
+        )
+        body = {"input": "Hi", "top_logprobs": 2, "stream": True}
+        async with client.stream("POST", "/v1/responses", json=body) as s:
+            frames = [json.loads(x[6:]) async for x in s.aiter_lines() if x.startswith("data: ")]
+    part = r.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs
+    assert "".join(lp.token for lp in part.logprobs) == r.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob == -0.5 for lp in part.logprobs)
+    deltas = [f for f in frames if f["type"] == "response.output_text.delta"]
+    streamed = [lp["token"] for f in deltas for lp in f["logprobs"]]
+    assert "".join(streamed) == r.output_text
