@@ -139,6 +139,26 @@ class SessionStore:
     async def delete(self, table: Table, key: str) -> bool:
         return await self.call(lambda db: db.delete(table, key))
 
+    async def update(
+        self,
+        table: Table,
+        key: str,
+        change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
+    ) -> dict[str, Any] | None:
+        """Read, change and write one document as one call on the store's thread, so two
+        requests appending to the same conversation cannot lose each other's items.
+
+        ``change`` gets the stored body (None when absent) and returns the body to write, or
+        None to write nothing; the result is what was written."""
+
+        def job(db: SessionDB) -> dict[str, Any] | None:
+            body = change(db.get(table, key))
+            if body is not None:
+                db.put(table, key, body)
+            return body
+
+        return await self.call(job)
+
 
 class _Broken:
     """Stands in for a database that failed to open: every call raises the opening error."""

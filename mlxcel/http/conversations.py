@@ -80,13 +80,24 @@ async def retrieve(cid: str) -> Response:
     return _json(_public(await _load(cid)))
 
 
+async def _change(cid: str, change: Any) -> dict[str, Any]:
+    """Apply ``change`` to the stored conversation atomically; 404 when it is gone."""
+    await _load(cid)  # 400 with conversations off, 404 when unknown
+
+    def apply(conv: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if conv is None else change(conv)
+
+    changed = await store_of(server()).update("conversations", cid, apply)
+    if changed is None:
+        raise NotFound(f"Conversation with id '{cid}' not found.")
+    return changed
+
+
 @bp.post("/v1/conversations/<cid>")
 async def update(cid: str) -> Response:
-    conv = await _load(cid)
     data = await _body({"metadata"})
     _metadata(data.get("metadata"))
-    conv["metadata"] = data.get("metadata") or {}
-    await store_of(server()).put("conversations", cid, conv)
+    conv = await _change(cid, lambda c: {**c, "metadata": data.get("metadata") or {}})
     return _json(_public(conv))
 
 
@@ -106,13 +117,11 @@ async def list_items(cid: str) -> Response:
 
 @bp.post("/v1/conversations/<cid>/items")
 async def add_items(cid: str) -> Response:
-    conv = await _load(cid)
     data = await _body({"items"})
     added = _new_items(data.get("items"))
     if not added:
         raise InvalidRequest("items must be a non-empty list", param="items")
-    conv["items"] = [*conv["items"], *added]
-    await store_of(server()).put("conversations", cid, conv)
+    await _change(cid, lambda c: {**c, "items": [*c["items"], *added]})
     return _json(
         {
             "object": "list",
@@ -135,9 +144,9 @@ async def retrieve_item(cid: str, item_id: str) -> Response:
 @bp.delete("/v1/conversations/<cid>/items/<item_id>")
 async def delete_item(cid: str, item_id: str) -> Response:
     conv = await _load(cid)
-    kept = [item for item in conv["items"] if item["id"] != item_id]
-    if len(kept) == len(conv["items"]):
+    if all(item["id"] != item_id for item in conv["items"]):
         raise NotFound(f"Item with id '{item_id}' not found in conversation '{cid}'.")
-    conv["items"] = kept
-    await store_of(server()).put("conversations", cid, conv)
+    conv = await _change(
+        cid, lambda c: {**c, "items": [i for i in c["items"] if i["id"] != item_id]}
+    )
     return _json(_public(conv))

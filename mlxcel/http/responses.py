@@ -90,9 +90,11 @@ async def load_history(
 async def _append_to_conversation(
     store: SessionStore, conv: str, items: list[dict[str, Any]]
 ) -> None:
-    stored = await store.get("conversations", conv) or new_conversation(conv, {})
-    stored["items"] = [*stored["items"], *items]
-    await store.put("conversations", conv, stored)
+    def append(stored: dict[str, Any] | None) -> dict[str, Any]:
+        stored = stored or new_conversation(conv, {})
+        return {**stored, "items": [*stored["items"], *items]}
+
+    await store.update("conversations", conv, append)
 
 
 def new_conversation(conv: str, metadata: dict[str, Any]) -> dict[str, Any]:
@@ -361,10 +363,17 @@ async def cancel(rid: str) -> Response:
         snapshot = running.snapshot()
         found = await store.get("responses", rid) if store.enabled("responses") else None
         return _json(found["response"] if found else {**snapshot, "status": "cancelled"})
-    found = await _stored(rid)
-    found["response"]["status"] = "cancelled"
-    await store.put("responses", rid, found)
-    return _json(found["response"])
+    await _stored(rid)  # 400 with the store off, 404 when unknown
+
+    def mark(found: dict[str, Any] | None) -> dict[str, Any] | None:
+        if found is not None:
+            found["response"]["status"] = "cancelled"
+        return found
+
+    marked = await store.update("responses", rid, mark)
+    if marked is None:
+        raise NotFound(f"Response with id '{rid}' not found.")
+    return _json(marked["response"])
 
 
 @bp.get("/v1/responses/<rid>/input_items")

@@ -453,3 +453,47 @@ async def test_top_logprobs_fill_output_text_logprobs(
     deltas = [f for f in frames if f["type"] == "response.output_text.delta"]
     streamed = [lp["token"] for f in deltas for lp in f["logprobs"]]
     assert "".join(streamed) == r.output_text
+
+
+async def test_conversation_item_routes_and_concurrent_turns(
+    smollm_tokenizer: Any, tmp_path: Path
+) -> None:
+    async with server(smollm_tokenizer, tmp_path) as (client, sdk, *_):
+        conv = await trio.to_thread.run_sync(
+            lambda: sdk.conversations.create(items=[{"role": "user", "content": "Seed."}])
+        )
+        added = await trio.to_thread.run_sync(
+            lambda: sdk.conversations.items.create(
+                conv.id, items=[{"type": "message", "role": "assistant", "content": "Ok."}]
+            )
+        )
+        (item,) = added.data
+        got = await trio.to_thread.run_sync(
+            lambda: sdk.conversations.items.retrieve(item.id, conversation_id=conv.id)
+        )
+        await trio.to_thread.run_sync(
+            lambda: sdk.conversations.update(conv.id, metadata={"topic": "x"})
+        )
+        await trio.to_thread.run_sync(
+            lambda: sdk.conversations.items.delete(item.id, conversation_id=conv.id)
+        )
+
+        async def turn(text: str) -> None:
+            r = await client.post("/v1/responses", json={"input": text, "conversation": conv.id})
+            assert r.status_code == 200
+
+        # Two turns finishing together must both land in the conversation.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(turn, "A?")
+            nursery.start_soon(turn, "B?")
+        items = await trio.to_thread.run_sync(
+            lambda: list(sdk.conversations.items.list(conv.id, order="asc"))
+        )
+        meta = (await client.get(f"/v1/conversations/{conv.id}")).json()["metadata"]
+        missing = await client.get(f"/v1/conversations/{conv.id}/items/{item.id}")
+    assert got.id == item.id and got.type == "message"
+    assert meta == {"topic": "x"}
+    assert missing.status_code == 404
+    texts = [i.content[0].text for i in items]  # type: ignore[union-attr]
+    assert texts[0] == "Seed." and len(items) == 5
+    assert {"A?", "B?"} <= set(texts) and texts.count("Hello there, friend.") == 2
