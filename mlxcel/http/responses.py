@@ -14,6 +14,7 @@ that saw ``response.completed`` can retrieve it at once.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,6 +41,7 @@ from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot
 
 bp = Blueprint("responses", __name__)
+log = logging.getLogger(__name__)
 
 STORE_OFF = (
     "Response storage is disabled on this server (--responses-store-max-entries 0): "
@@ -190,7 +192,7 @@ class _Turn:
         slot = self.slot
         if error is not None:
             status = "failed"
-        elif self.running.cancel_requested:
+        elif self.running.cancel_requested or finish_reason == "abort":
             status = "cancelled"
         elif cut:
             status = "incomplete"
@@ -216,15 +218,18 @@ class _Turn:
             incomplete_reason="max_output_tokens" if status == "incomplete" else None,
         )
         output = obj["output"]
-        if self.base["store"]:
-            context = [*self.history, *self.items, *output]
-            await self.store.put(
-                "responses",
-                self.base["id"],
-                {"response": obj, "input_items": self.items, "context": context},
-            )
-        if self.conv is not None and status in ("completed", "incomplete"):
-            await _append_to_conversation(self.store, self.conv, [*self.items, *output])
+        try:
+            if self.base["store"]:
+                context = [*self.history, *self.items, *output]
+                await self.store.put(
+                    "responses",
+                    self.base["id"],
+                    {"response": obj, "input_items": self.items, "context": context},
+                )
+            if self.conv is not None and status in ("completed", "incomplete"):
+                await _append_to_conversation(self.store, self.conv, [*self.items, *output])
+        except Exception:  # the client still gets its answer; the log says what was lost
+            log.exception("storing response %s failed", self.base["id"])
         # Finished and stored: from here on GET and /cancel read the stored object.
         self.close()
         return obj
