@@ -39,7 +39,8 @@ class OutputBuilder:
 
     def feed(self, update: SlotUpdate) -> list[Event]:
         events: list[Event] = []
-        if self._wants_logprobs:
+        # Tokens of an update that is only reasoning are not part of the answer's logprobs.
+        if self._wants_logprobs and (update.text or not update.reasoning):
             self._pending.extend(update.logprobs)
         if update.reasoning:
             self.reasoning_text.append(update.reasoning)
