@@ -8,7 +8,7 @@ from quart import Response, current_app, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mlxcel.http import completion, embeddings, health, native, openai, ops, security
+from mlxcel.http import anthropic, completion, embeddings, health, native, openai, ops, security
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
@@ -17,10 +17,13 @@ log = logging.getLogger(__name__)
 
 
 def _family() -> Family:
+    if request.blueprint in ANTHROPIC_BLUEPRINTS:
+        return "anthropic"
     return "native" if request.blueprint in NATIVE_BLUEPRINTS else "openai"
 
 
 NATIVE_BLUEPRINTS = frozenset({"native", "native_completion", "ops", "health", "public_health"})
+ANTHROPIC_BLUEPRINTS = frozenset({"anthropic"})
 
 
 def create_app(ctx: ServerContext) -> QuartTrio:
@@ -42,6 +45,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(completion.bp, url_prefix=prefix)
     app.register_blueprint(openai.bp, url_prefix=prefix)
     app.register_blueprint(embeddings.bp, url_prefix=prefix)
+    app.register_blueprint(anthropic.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:
