@@ -108,22 +108,30 @@ def _document(block: dict[str, Any], at: str) -> str:
     return f"{title}\n\n{text}" if isinstance(title, str) and title else text
 
 
+def _readable(block: dict[str, Any], kind: str, at: str) -> str | None:
+    """The text of a text or document block; a 400 for an image (this server serves text
+    models only, and refuses before anything is fetched); None for any other kind."""
+    if kind == "text":
+        return _string(block, "text", at)
+    if kind == "document":
+        return _document(block, at)
+    if kind == "image":
+        raise InvalidRequest(f"{at}: image input is not supported", param=at)
+    return None
+
+
 def _text_only(content: Any, at: str) -> str:
     """Text of a string or of text/document blocks (system prompts, tool results)."""
     texts = []
     for j, block in enumerate(_blocks(content, at)):
         where = f"{at}[{j}]"
         kind = _block_type(block, where)
-        if kind == "text":
-            texts.append(_string(block, "text", where))
-        elif kind == "document":
-            texts.append(_document(block, where))
-        elif kind == "image":
-            raise InvalidRequest(f"{where}: image input is not supported", param=where)
-        else:
+        text = _readable(block, kind, where)
+        if text is None:
             raise InvalidRequest(
                 f"{where}: unsupported content block type {kind!r} here", param=where
             )
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -148,12 +156,9 @@ class _Turns:
         for j, block in enumerate(_blocks(content, at)):
             where = f"{at}[{j}]"
             kind = _block_type(block, where)
-            if kind == "text":
-                texts.append(_string(block, "text", where))
-            elif kind == "document":
-                texts.append(_document(block, where))
-            elif kind == "image":
-                raise InvalidRequest(f"{where}: image input is not supported", param=where)
+            text = _readable(block, kind, where)
+            if text is not None:
+                texts.append(text)
             elif kind == "tool_result":
                 self.out.append(self._tool_result(block, where))
                 results += 1

@@ -24,6 +24,7 @@ WEATHER = {
         "required": ["city"],
     },
 }
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
 
 
 def convert(**body: Any) -> Any:
@@ -73,12 +74,7 @@ def test_tool_use_and_tool_result_become_tool_calls_and_tool_messages() -> None:
                 {"type": "thinking", "thinking": "Use the tool.", "signature": "x"},
                 {"type": "redacted_thinking", "data": "opaque"},
                 {"type": "text", "text": "Checking."},
-                {
-                    "type": "tool_use",
-                    "id": "toolu_1",
-                    "name": "get_weather",
-                    "input": {"city": "Paris"},
-                },
+                CALL,
             ],
         },
         {
@@ -130,14 +126,7 @@ def test_a_tool_result_turn_renders_through_a_real_template(smollm_tokenizer: An
         {"role": "user", "content": "Weather in Paris?"},
         {
             "role": "assistant",
-            "content": [
-                {
-                    "type": "tool_use",
-                    "id": "toolu_1",
-                    "name": "get_weather",
-                    "input": {"city": "Paris"},
-                }
-            ],
+            "content": [CALL],
         },
         {
             "role": "user",
