@@ -94,9 +94,13 @@ class BlockStream:
         self._thinking: list[str] = []
 
     def feed(self, update: SlotUpdate) -> list[Event]:
-        # A merged update loses the order between its parts; thinking comes before the answer
-        # and calls after their lead-in text, which is the order models write them in.
+        # A merged update loses the order between its parts. A call still open from the last
+        # update ends before anything else; otherwise thinking comes before the answer and
+        # calls after their lead-in text, which is the order models write them in.
         out: list[Event] = []
+        tools_first = self._open == "tool_use"
+        if tools_first:
+            self._tools(out, update.tool_events)
         if update.reasoning:
             self._ensure(out, "thinking", {"type": "thinking", "thinking": "", "signature": ""})
             self._thinking.append(update.reasoning)
@@ -105,7 +109,12 @@ class BlockStream:
         if update.text:
             self._ensure(out, "text", {"type": "text", "text": ""})
             self._delta(out, {"type": "text_delta", "text": update.text})
-        for event in update.tool_events:
+        if not tools_first:
+            self._tools(out, update.tool_events)
+        return out
+
+    def _tools(self, out: list[Event], events: tuple[object, ...]) -> None:
+        for event in events:
             if isinstance(event, ToolCallStart):
                 self.close(out)
                 block = {"type": "tool_use", "id": tool_use_id(event.id), "name": event.name}
@@ -114,7 +123,6 @@ class BlockStream:
                 self._delta(out, {"type": "input_json_delta", "partial_json": event.fragment})
             elif isinstance(event, ToolCallEnd):
                 self.close(out)
-        return out
 
     def close(self, out: list[Event]) -> list[Event]:
         """Close the open block, if any (a thinking block gets its signature first)."""

@@ -53,6 +53,10 @@ class MessagesBody(SamplingFields):
     # automatic, so explicit cache breakpoints are already covered.
     service_tier: Any = None
     cache_control: Any = None
+    # Claude Code always sends this (server-side clearing of old tool results and thinking)
+    # and cannot turn it off. Nothing is cleared here: the client sees the whole prompt in
+    # `usage` and compacts the conversation itself.
+    context_management: Any = None
     # llama-server extensions.
     ignore_eos: bool | None = None
     cache_prompt: bool | None = None

@@ -245,6 +245,14 @@ def test_sampling_stop_and_limits() -> None:
         convert(stop_sequences=[str(i) for i in range(17)])
     with pytest.raises(InvalidRequest, match="temperature"):
         convert(temperature=-1)
+    # What Claude Code sends on every request is accepted.
+    claude_code = convert(
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        output_config={"effort": "high"},
+        thinking={"type": "adaptive"},
+        metadata={"user_id": "session"},
+    )
+    assert dict(claude_code.generation.prompt.template_kwargs)["reasoning_effort"] == "high"
     with pytest.raises(UnsupportedField, match="mcp_servers"):
         convert(mcp_servers=[])
 
@@ -347,3 +355,18 @@ def test_omitted_thinking_keeps_the_block_and_its_signature_only() -> None:
     kinds = [d["delta"]["type"] for n, d in events if n == "content_block_delta"]
     assert kinds == ["signature_delta", "text_delta"]
     assert "secret" not in json.dumps(events)
+
+
+def test_a_call_open_across_updates_ends_before_later_text() -> None:
+    blocks = BlockStream(Thinking())
+    events = blocks.feed(SlotUpdate("", 1, None, tool_events=(ToolCallStart(0, "call_a", "f"),)))
+    # Its arguments arrive merged with the text that followed the call.
+    events += blocks.feed(
+        SlotUpdate("after", 2, None, tool_events=(ToolCallArgs(0, '{"x": 1}'), ToolCallEnd(0)))
+    )
+    events += blocks.close([])
+    deltas = [(d["index"], d["delta"]) for n, d in events if n == "content_block_delta"]
+    assert deltas == [
+        (0, {"type": "input_json_delta", "partial_json": '{"x": 1}'}),
+        (1, {"type": "text_delta", "text": "after"}),
+    ]
