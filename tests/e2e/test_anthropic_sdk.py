@@ -66,6 +66,10 @@ def test_create_text(client: anthropic.Anthropic) -> None:
     assert r.stop_reason in ("end_turn", "max_tokens")
     assert 0 < r.usage.output_tokens <= 12
     assert r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) > 5
+    # A template that does not think takes every thinking setting and simply answers.
+    for thinking in ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1024}):
+        t = client.messages.create(model="default", max_tokens=4, messages=USER, thinking=thinking)
+        assert [b.type for b in t.content] == ["text"]
 
 
 def test_system_as_string_and_blocks_reaches_the_prompt(client: anthropic.Anthropic) -> None:
