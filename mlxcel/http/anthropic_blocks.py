@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 from mlxcel.actors.toolcalls import ToolCallArgs, ToolCallEnd, ToolCallStart, collect
@@ -59,6 +60,21 @@ def usage(slot: OutputSlot) -> dict[str, int]:
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
     }
+
+
+def model_page(model_id: str, created: int, context_length: int) -> dict[str, Any]:
+    """`GET /v1/models` in Anthropic's page shape, for clients that send `anthropic-version`
+    (the OpenAI list has a `capabilities` list where Anthropic's SDK wants an object)."""
+    when = datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    entry = {
+        "type": "model",
+        "id": model_id,
+        "display_name": model_id,
+        "created_at": when,
+        "lifecycle": "active",
+        "max_input_tokens": context_length,
+    }
+    return {"data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
 
 
 def content(c: Collected, thinking: Thinking) -> list[dict[str, Any]]:

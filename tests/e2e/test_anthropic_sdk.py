@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -145,6 +146,16 @@ def test_stream_event_order_and_accumulator(
         for e in (events, alias)
     ]
     assert texts[0] == texts[1] == whole.content[0].text
+
+
+def test_models_list_in_the_anthropic_shape(
+    client: anthropic.Anthropic, tiny_model_dir: Path, tiny_server: ServerProcess
+) -> None:
+    (model,) = client.models.list().data
+    assert model.id == tiny_model_dir.name and model.type == "model"
+    assert model.max_input_tokens and model.max_input_tokens > 0
+    # Without anthropic-version the OpenAI list is served as before.
+    assert httpx.get(f"{tiny_server.base_url}/v1/models").json()["object"] == "list"
 
 
 def test_bad_requests_are_400_in_the_anthropic_envelope(client: anthropic.Anthropic) -> None:
