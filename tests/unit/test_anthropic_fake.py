@@ -259,3 +259,15 @@ async def test_error_envelopes_auth_and_overload(smollm_tokenizer: Any) -> None:
     assert full.status_code == 503
     assert full.headers["content-type"].startswith("application/json")
     assert full.json()["error"]["type"] == "overloaded_error"
+
+
+async def test_disconnect_while_waiting_for_a_whole_message_stops_generation(
+    smollm_tokenizer: Any,
+) -> None:
+    async with fake_server(smollm_tokenizer, step_delay=0.02) as (client, backend, ctx):
+        with trio.move_on_after(0.3):
+            await client.post("/v1/messages", json=body(max_tokens=100_000))
+        await wait_until(lambda: ctx.admission.active == 0)
+        steps = backend.steps
+        await trio.sleep(0.3)
+        assert backend.steps <= steps + 1, "generation went on after the client left"
