@@ -84,10 +84,15 @@ class TokenizerActor:
                 extra: dict[str, object] = dict(kwargs)
                 if tools:
                     extra["tools"] = list(tools)
+                # A final assistant turn to continue (an Anthropic prefill) replaces the new one.
+                add_generation = not extra.get("continue_final_message", False)
                 try:
                     return str(
                         self._tok.apply_chat_template(
-                            list(messages), tokenize=False, add_generation_prompt=True, **extra
+                            list(messages),
+                            tokenize=False,
+                            add_generation_prompt=add_generation,
+                            **extra,
                         )
                     )
                 except Exception as error:  # jinja raises plain exceptions for template errors

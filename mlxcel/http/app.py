@@ -9,6 +9,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from mlxcel.http import (
+    anthropic,
     completion,
     conversations,
     embeddings,
@@ -27,10 +28,13 @@ log = logging.getLogger(__name__)
 
 
 def _family() -> Family:
+    if request.blueprint in ANTHROPIC_BLUEPRINTS:
+        return "anthropic"
     return "native" if request.blueprint in NATIVE_BLUEPRINTS else "openai"
 
 
 NATIVE_BLUEPRINTS = frozenset({"native", "native_completion", "ops", "health", "public_health"})
+ANTHROPIC_BLUEPRINTS = frozenset({"anthropic"})
 
 
 def create_app(ctx: ServerContext) -> QuartTrio:
@@ -54,6 +58,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(embeddings.bp, url_prefix=prefix)
     app.register_blueprint(responses.bp, url_prefix=prefix)
     app.register_blueprint(conversations.bp, url_prefix=prefix)
+    app.register_blueprint(anthropic.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:

@@ -12,10 +12,33 @@ from mlxcel.runtime.errors import InternalError, MlxcelError
 
 log = logging.getLogger(__name__)
 
-Family = Literal["openai", "native"]
+Family = Literal["openai", "native", "anthropic"]
+
+# Anthropic's error `type` for each status; other statuses keep our own type string.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    # A full queue (and a draining server) is Anthropic's "overloaded"; we keep status 503,
+    # as llama-server does, rather than Anthropic's own 529.
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 def envelope(error: MlxcelError, family: Family = "openai") -> dict[str, object]:
+    if family == "anthropic":
+        # {"type": "error", "error": {"type", "message"}}: no `param`, so the message names
+        # the field, as Anthropic's own messages do ("messages.0.content: ...").
+        message = error.message
+        if error.param and error.param not in message:
+            message = f"{error.param}: {message}"
+        kind = ANTHROPIC_TYPES.get(error.status, error.error_type)
+        return {"type": "error", "error": {"type": kind, "message": message}}
     if family == "native":
         # llama-server's own shape: {"error": {"code", "message", "type"}}.
         return {"error": {"code": error.status, "message": error.message, "type": error.error_type}}

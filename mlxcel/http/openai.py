@@ -19,6 +19,7 @@ from quart import Blueprint, Response, request
 
 from mlxcel.actors.side_models import require_generation
 from mlxcel.http import logprobs, sse
+from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.chat_render import Collected, message, stream_choices
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import side_model_entries
@@ -238,6 +239,8 @@ async def completions() -> Response:
 @bp.get("/models")
 async def models() -> Response:
     ctx = server()
+    if "anthropic-version" in request.headers and ctx.generation:
+        return _json(model_page(ctx.model_id, ctx.created, ctx.info.context_length))
     entry = {
         "id": ctx.model_id,
         "object": "model",

@@ -13,13 +13,18 @@ import json
 
 from quart import Quart, Response, request
 
+from mlxcel.http.errors import error_response
+from mlxcel.runtime.errors import AuthenticationFailed
 from mlxcel.runtime.settings import Settings
 
 PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
 UNAUTHORIZED = json.dumps(
     {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
 )
-ALLOW_HEADERS = "Authorization, Content-Type, X-Api-Key, X-Priority, Anthropic-Version, OpenAI-Beta"
+ALLOW_HEADERS = (
+    "Authorization, Content-Type, X-Api-Key, X-Priority, Anthropic-Version, OpenAI-Beta, "
+    "Anthropic-Beta, Anthropic-Dangerous-Direct-Browser-Access"
+)
 ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 
@@ -62,6 +67,9 @@ def install(app: Quart, settings: Settings) -> None:
             return response
         if settings.api_keys and request.path not in PUBLIC_PATHS:
             if not key_ok(presented_key(), settings.api_keys):
+                if request.blueprint == "anthropic":
+                    # Anthropic SDKs read their own envelope: {"type": "error", "error": {...}}.
+                    return error_response(AuthenticationFailed("Invalid API Key"), "anthropic")
                 return Response(UNAUTHORIZED, status=401, content_type="application/json")
         return None
 

@@ -248,6 +248,13 @@ def test_every_non_public_route_needs_a_key(ops_server: ServerProcess) -> None:
         wrong = httpx.request(method, base + path, headers=auth("nope"), **kw)
         for r in (missing, wrong):
             assert r.status_code == 401, (method, path, r.status_code)
+            if path.endswith(("/messages", "/messages/count_tokens")):
+                # Anthropic SDKs read Anthropic's envelope.
+                assert r.json() == {
+                    "type": "error",
+                    "error": {"type": "authentication_error", "message": "Invalid API Key"},
+                }
+                continue
             assert r.json() == {
                 "error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}
             }

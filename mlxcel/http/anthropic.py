@@ -1,0 +1,160 @@
+"""Anthropic Messages routes: /v1/messages and /v1/messages/count_tokens (and their aliases).
+
+Same shape as the OpenAI routes: validate (400 before any work), submit (503
+``overloaded_error`` before any byte), wait until the prompt is tokenized, then collect or
+stream. Streams use named SSE events (message_start, content blocks, message_delta,
+message_stop) with real ``ping`` events while the model is silent. Whatever way a handler ends --
+finished, failed, or cancelled because the client went away -- its ``finally`` cancels the
+slot, which aborts the generation at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+from quart import Blueprint, Response
+
+from mlxcel.actors.side_models import require_generation
+from mlxcel.http import sse
+from mlxcel.http.anthropic_blocks import BlockStream, content, stop_reason, usage
+from mlxcel.http.anthropic_wire import MessagesRequest, messages_request
+from mlxcel.http.chat_render import Collected
+from mlxcel.http.context import ServerContext, server
+from mlxcel.http.errors import envelope
+from mlxcel.http.openai import read_json, start_generation
+from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
+from mlxcel.runtime.messages import ForcedToolCall
+from mlxcel.runtime.slot import OutputSlot
+
+bp = Blueprint("anthropic", __name__)
+
+PING = sse.event("ping", {"type": "ping"})
+
+
+async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, str]:
+    """The converted request and the served model id; 400 for what this model cannot do."""
+    require_generation(ctx.generation)
+    req = messages_request(await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer))
+    model = ctx.check_model(req.body.model)
+    gen = req.generation
+    if (gen.parse_tools or isinstance(gen.constraint, ForcedToolCall)) and ctx.tool_format is None:
+        raise InvalidRequest(
+            "This model's chat template has no tool-call format, so it cannot call tools.",
+            param="tools",
+        )
+    return req, model
+
+
+@bp.post("/v1/messages")
+@bp.post("/messages")
+async def messages() -> Response:
+    ctx = server()
+    req, model = await _parse(ctx)
+    slot = await start_generation(ctx, req.generation)
+    message = {
+        "id": req.generation.request_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+    }
+    if req.body.stream:
+        return _stream(ctx, slot, req, message)
+    c = await _collect(slot)
+    reason, sequence = stop_reason(
+        c.finish_reason, slot.stop_word, slot.completion_tokens, req.body.max_tokens
+    )
+    body = {
+        **message,
+        "content": content(c, req.thinking),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage(slot),
+    }
+    return Response(json.dumps(body, ensure_ascii=False), content_type="application/json")
+
+
+@bp.post("/v1/messages/count_tokens")
+@bp.post("/messages/count_tokens")
+async def count_tokens() -> Response:
+    """The prompt's token count, rendered and encoded exactly as generation would."""
+    ctx = server()
+    req, _ = await _parse(ctx)
+    tokens = await trio.to_thread.run_sync(ctx.tokenizer.encode, req.generation)
+    return Response(json.dumps({"input_tokens": len(tokens)}), content_type="application/json")
+
+
+async def _collect(slot: OutputSlot) -> Collected:
+    """Merge every update until the finish; a cancelled handler aborts the generation."""
+    collected = Collected()
+    try:
+        while True:
+            update = await slot.next()
+            assert update is not None  # no timeout given
+            collected.add(update)
+            if update.finish_reason in ("abort", "error"):
+                raise InternalError("The generation was aborted.")
+            if update.finish_reason is not None:
+                return collected
+    finally:
+        slot.cancel()
+
+
+def _stream(
+    ctx: ServerContext, slot: OutputSlot, req: MessagesRequest, message: dict[str, Any]
+) -> Response:
+    ping = ctx.settings.sse_ping_interval if ctx.settings.sse_ping_enabled else float("inf")
+    blocks = BlockStream(req.thinking)
+
+    def start() -> bytes:
+        # The prompt is tokenized before the stream opens, so input_tokens is already real.
+        counts = {
+            "input_tokens": slot.prompt_tokens,
+            "output_tokens": 0,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        }
+        started = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
+        return sse.event(
+            "message_start", {"type": "message_start", "message": {**started, "usage": counts}}
+        )
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield start()
+            while True:
+                try:
+                    update = await slot.next(timeout=ping)
+                    if update is not None and update.finish_reason in ("abort", "error"):
+                        raise InternalError("The generation was aborted.")
+                except MlxcelError as error:
+                    # No message_stop after an error: the client must not take it as complete.
+                    yield sse.event("error", envelope(error, "anthropic"))
+                    return
+                if update is None:
+                    yield PING
+                    continue
+                for name, payload in blocks.feed(update):
+                    yield sse.event(name, payload)
+                if update.finish_reason is not None:
+                    break
+            for name, payload in blocks.close([]):
+                yield sse.event(name, payload)
+            reason, sequence = stop_reason(
+                update.finish_reason, slot.stop_word, slot.completion_tokens, req.body.max_tokens
+            )
+            yield sse.event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": usage(slot),
+                },
+            )
+            yield sse.event("message_stop", {"type": "message_stop"})
+        finally:
+            slot.cancel()
+
+    return Response(body(), content_type="text/event-stream", headers=sse.HEADERS)
