@@ -157,4 +157,4 @@ def _stream(
         finally:
             slot.cancel()
 
-    return Response(body(), content_type="text/event-stream", headers=sse.HEADERS)
+    return sse.response(body(), slot.cancel)

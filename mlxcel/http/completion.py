@@ -193,7 +193,7 @@ def _stream(ctx: ServerContext, slot: OutputSlot) -> Response:
         finally:
             slot.cancel()
 
-    return Response(body(), content_type="text/event-stream", headers=sse.HEADERS)
+    return sse.response(body(), slot.cancel)
 
 
 @bp.post("/completion")

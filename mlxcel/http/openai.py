@@ -125,7 +125,7 @@ def _stream(
         finally:
             slot.cancel()
 
-    return Response(body(), content_type="text/event-stream", headers=sse.HEADERS)
+    return sse.response(body(), slot.cancel)
 
 
 @bp.post("/v1/chat/completions")

@@ -266,7 +266,7 @@ async def create() -> Response:
     turn = _Turn(ctx, body, gen, slot, base, items, history, conv)
     store.running[rid] = turn.running
     if body.stream:
-        return Response(_stream(turn), content_type="text/event-stream", headers=sse.HEADERS)
+        return sse.response(_stream(turn), turn.close)
     try:
         finish, error = None, None
         try:
