@@ -65,7 +65,11 @@ class Admission:
         except trio.WouldBlock:
             raise ServerBusy() from None
         slot = OutputSlot(
-            request.request_id, Reservation(self._limiter, borrower), self._aborts, self._closed
+            request.request_id,
+            Reservation(self._limiter, borrower),
+            self._aborts,
+            self._closed,
+            n=request.n,
         )
         self.active += 1
         self._idle = trio.Event()

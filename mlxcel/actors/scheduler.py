@@ -69,8 +69,13 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._state.waiting)
 
-    def slot_items(self) -> list[Tokenized | None]:
-        return [self._state.running.get(rid) if rid else None for rid in self._state.slots]
+    def slot_items(self) -> list[tuple[Tokenized, int] | None]:
+        """Per slot: the request in it and which of its choices, or None when free."""
+        state = self._state
+        return [
+            (state.running[rid], choice) if rid is not None and rid in state.running else None
+            for rid, choice in zip(state.slots, state.slot_choices, strict=True)
+        ]
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -92,7 +97,7 @@ class Scheduler:
                 plan = attrs.evolve(plan, reset_cache=True)
             if not self._state.running and not plan.removes and not resets:
                 continue
-            busy = len(self._state.running)
+            busy = self._state.rows
             tic = time.perf_counter()
             await self._plans.send(plan)
             output = await self._outputs.receive()
@@ -110,12 +115,13 @@ class Scheduler:
 
     async def _decide(self) -> StepPlan:
         aborted = self._aborts.drain()
+        stopped = self._aborts.drain_choices()
         abandoned = sum(
             1
             for rid in aborted
             if (item := self._state.running.get(rid)) is not None and item.slot.cancelled
         )
-        decision = policy.plan(self._state, aborted, time.monotonic())
+        decision = policy.plan(self._state, aborted, time.monotonic(), stopped)
         self._metrics.aborts.inc(abandoned + len(decision.dropped))
         if log.isEnabledFor(logging.DEBUG) and (aborted or decision.started):
             log.debug(
@@ -143,6 +149,7 @@ class Scheduler:
                     parse_tools=item.request.parse_tools,
                     single_tool_call=item.request.single_tool_call,
                     reasoning_open=item.reasoning_open,
+                    n=item.request.n,
                 )
             )
         return decision.plan
@@ -157,13 +164,12 @@ class Scheduler:
         for p in output.prefill:
             prefill += p.done - self._prefilled.get(p.request_id, 0)
             self._prefilled[p.request_id] = p.done
-        for t in output.tokens:
-            if t.finish_reason is not None:
-                self._prefilled.pop(t.request_id, None)
         self._metrics.record_step(
             seconds=seconds, busy=busy, prefill=prefill, decoded=len(output.tokens)
         )
         finished = policy.complete(self._state, output)
+        for rid in finished:
+            self._prefilled.pop(rid, None)
         if finished and log.isEnabledFor(logging.DEBUG):
             log.debug("finished %s", finished)
         if output.tokens:

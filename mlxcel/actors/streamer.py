@@ -4,6 +4,7 @@ Per request, output text goes through: incremental detokeniser -> stop strings (
 the scheduler to stop the sequence through the AbortBox) -> reasoning splitter (thinking goes
 to `reasoning`) -> tool-call parser (calls become events). Streaming and non-streaming answers
 are built from the same events, so they always agree. It never blocks on a client: slots merge.
+A request with n choices has n such pipelines, one per choice, each finishing on its own.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:
 @attrs.define
 class _Stream:
     slot: OutputSlot
+    choice: int
     detok: IncrementalDetokenizer
     stops: StopMatcher
     reasoning: ReasoningSplitter | None = None
@@ -90,7 +92,8 @@ class Streamer:
         self._reasoning = reasoning
         self._tool_format = tool_format
         self._hidden = hidden_special_tokens(tokenizer)
-        self._streams: dict[str, _Stream] = {}
+        # Per request, its choices' pipelines; None once a choice has finished.
+        self._streams: dict[str, list[_Stream | None]] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the inbox until it closes. On cancellation, open slots are left as they are:
@@ -107,25 +110,31 @@ class Streamer:
                 for t in tokens:
                     self._token(t)
             case CloseStream(request_id, reason, error):
-                stream = self._streams.pop(request_id, None)
-                if stream is not None:
+                for stream in self._streams.pop(request_id, []):
+                    if stream is None:
+                        continue
                     self._metrics.requests.labels(reason).inc()
                     if error is not None:
                         stream.slot.fail(InternalError(error))
                     else:
-                        stream.slot.finish(reason)
+                        stream.slot.finish(reason, choice=stream.choice)
             case _:
                 assert_never(msg)
 
     def _open(self, msg: OpenStream) -> None:
+        streams: list[_Stream | None] = [self._pipeline(msg, i) for i in range(msg.n)]
+        self._streams[msg.request_id] = streams
+
+    def _pipeline(self, msg: OpenStream, choice: int) -> _Stream:
         splitter = None
         if self._reasoning is not None:
             splitter = self._reasoning.splitter(starts_open=msg.reasoning_open)
         parser = None
         if msg.parse_tools and self._tool_format is not None:
             parser = make_parser(self._tool_format)
-        self._streams[msg.request_id] = _Stream(
+        return _Stream(
             msg.slot,
+            choice,
             IncrementalDetokenizer(self._tokenizer, msg.prompt_tail, self._hidden),
             StopMatcher(msg.stop),
             splitter,
@@ -134,12 +143,14 @@ class Streamer:
         )
 
     def _token(self, t: TokenOut) -> None:
-        stream = self._streams.get(t.request_id)
-        if stream is None:
+        streams = self._streams.get(t.request_id)
+        stream = streams[t.choice] if streams is not None and t.choice < len(streams) else None
+        if streams is None or stream is None:
             return  # already finished by a stop string, or aborted
         now = time.monotonic()
         if stream.last_token_at is None:
-            self._metrics.ttft.observe(now - stream.slot.submitted_at)
+            if t.choice == 0:  # one time-to-first-token per request
+                self._metrics.ttft.observe(now - stream.slot.submitted_at)
         else:
             self._metrics.inter_token.observe(now - stream.last_token_at)
         stream.last_token_at = now
@@ -157,17 +168,25 @@ class Streamer:
         if final and matched is None:
             emit += stream.stops.flush()
         self._route(stream, emit, final)
-        stream.slot.push("", n, lp)
+        stream.slot.push("", n, lp, choice=t.choice)
         if not final:
             return
-        del self._streams[t.request_id]
+        streams[t.choice] = None
+        siblings = any(s is not None for s in streams)
+        if not siblings:
+            del self._streams[t.request_id]
         reason: FinishReason = "stop" if matched is not None else t.finish_reason or "stop"
         if reason == "stop" and stream.calls:
             reason = "tool_calls"
-        stream.slot.finish(reason, stop_word=matched)
+        stream.slot.finish(reason, stop_word=matched, choice=t.choice)
         self._metrics.requests.labels(reason).inc()
         if matched is not None:
-            self._aborts.notify(t.request_id)
+            # The model does not know about stop strings: stop the sequence (only this choice
+            # while its siblings go on).
+            if siblings:
+                self._aborts.notify_choice(t.request_id, t.choice)
+            else:
+                self._aborts.notify(t.request_id)
 
     def _route(self, stream: _Stream, text: str, final: bool) -> None:
         """Split thinking from the answer, then tool calls from the answer's text."""
@@ -178,9 +197,9 @@ class Streamer:
                 pieces += stream.reasoning.finish()
         for piece in pieces:
             if isinstance(piece, ReasoningDelta):
-                stream.slot.push_reasoning(piece.text)
+                stream.slot.push_reasoning(piece.text, choice=stream.choice)
             elif stream.tools is None:
-                stream.slot.push(piece.text, 0)
+                stream.slot.push(piece.text, 0, choice=stream.choice)
             else:
                 self._tool_events(stream, stream.tools.feed(piece.text))
         if final and stream.tools is not None:
@@ -189,10 +208,10 @@ class Streamer:
     def _tool_events(self, stream: _Stream, events: list[Any]) -> None:
         for event in events:
             if isinstance(event, TextDelta):
-                stream.slot.push(event.text, 0)
+                stream.slot.push(event.text, 0, choice=stream.choice)
                 continue
             if stream.single_call and event.index > 0:
                 continue  # parallel_tool_calls: false keeps the first call only
             if isinstance(event, ToolCallStart):
                 stream.calls += 1
-            stream.slot.push_tool_event(event)
+            stream.slot.push_tool_event(event, choice=stream.choice)

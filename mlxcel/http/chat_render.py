@@ -61,7 +61,9 @@ def stream_choices(update: SlotUpdate, tok: Any, wants_logprobs: bool) -> list[d
 
     def choice(delta: dict[str, Any], lps: Sequence[TokenLogprob] = ()) -> None:
         scores = logprobs.chat(tok, lps) if wants_logprobs and lps else None
-        out.append({"index": 0, "delta": delta, "logprobs": scores, "finish_reason": None})
+        out.append(
+            {"index": update.index, "delta": delta, "logprobs": scores, "finish_reason": None}
+        )
 
     if update.reasoning:
         choice({"reasoning_content": update.reasoning, "reasoning": update.reasoning})

@@ -31,7 +31,8 @@ from mlxcel.runtime.slot import OutputSlot, SlotUpdate
 
 bp = Blueprint("openai", __name__)
 
-# The streamed choices for one slot update, and the finishing choice for a finish reason.
+# The streamed choices for one slot update (each carrying ``update.index``), and the finishing
+# choice for a finish reason (its index is set by the caller).
 RenderFn = Callable[[SlotUpdate], list[dict[str, Any]]]
 FinishFn = Callable[[str], dict[str, Any]]
 
@@ -65,6 +66,11 @@ async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> Output
     if lane not in PRIORITIES:
         raise InvalidRequest("X-Priority must be high, normal or low", param="X-Priority")
     gen = attrs.evolve(gen, priority=PRIORITIES[lane])
+    if gen.n > ctx.settings.parallel:
+        # Each choice is a row of the batch, and all of a request's rows run together.
+        raise InvalidRequest(
+            f"n must be at most {ctx.settings.parallel} (this server's --parallel)", param="n"
+        )
     slot = ctx.admission.submit(gen)
     try:
         await slot.wait_accepted()
@@ -74,15 +80,16 @@ async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> Output
     return slot
 
 
-async def _collect(slot: OutputSlot) -> Collected:
+async def _collect_choices(slot: OutputSlot) -> list[Collected]:
+    """Every choice's whole answer, in index order."""
     try:
-        collected = Collected()
-        while True:
-            update = await slot.next()
-            assert update is not None  # no timeout given
-            collected.add(update)
-            if update.finish_reason is not None:
-                return collected
+        collected = [Collected() for _ in range(slot.n)]
+        while not slot.delivered:
+            updates = await slot.next_choices()
+            assert updates is not None  # no timeout given
+            for update in updates:
+                collected[update.index].add(update)
+        return collected
     finally:
         slot.cancel()
 
@@ -104,21 +111,23 @@ def _stream(
     async def body() -> AsyncIterator[bytes]:
         try:
             if first is not None:
-                yield chunk([first])
-            while True:
+                for index in range(slot.n):
+                    yield chunk([{**first, "index": index}])
+            while not slot.delivered:
                 try:
-                    update = await slot.next(timeout=ping)
+                    updates = await slot.next_choices(timeout=ping)
                 except MlxcelError as error:
                     yield sse.data(envelope(error))
                     return
-                if update is None:
+                if updates is None:
                     yield sse.KEEPALIVE
                     continue
-                for c in render(update):
-                    yield chunk([c])
-                if update.finish_reason is not None:
-                    yield chunk([finish(update.finish_reason)])
-                    break
+                # One choice per chunk, as OpenAI streams n > 1; clients merge by index.
+                for update in updates:
+                    for c in render(update):
+                        yield chunk([c])
+                    if update.finish_reason is not None:
+                        yield chunk([{**finish(update.finish_reason), "index": update.index}])
             if options is not None and options.include_usage:
                 yield chunk([], usage=_usage(slot, ctx))
             yield sse.DONE
@@ -166,19 +175,20 @@ async def chat_completions() -> Response:
             first,
             body.stream_options,
         )
-    c = await _collect(slot)
-    scores = logprobs.chat(tok, c.logprobs) if wants_logprobs else None
-    choice = {
-        "index": 0,
-        "message": message(c),
-        "logprobs": scores,
-        "finish_reason": c.finish_reason,
-    }
+    choices = [
+        {
+            "index": i,
+            "message": message(c),
+            "logprobs": logprobs.chat(tok, c.logprobs) if wants_logprobs else None,
+            "finish_reason": c.finish_reason,
+        }
+        for i, c in enumerate(await _collect_choices(slot))
+    ]
     return _json(
         {
             **base,
             "system_fingerprint": None,
-            "choices": [choice],
+            "choices": choices,
             "usage": _usage(slot, ctx),
         }
     )
@@ -202,37 +212,29 @@ async def completions() -> Response:
     tok = ctx.info.tokenizer
     wants_logprobs = gen.logprobs is not None
     if body.stream:
-        emitted = 0
+        emitted = [0] * gen.n  # text offsets, per choice
 
-        def render(update: SlotUpdate) -> list[dict[str, Any]]:
-            nonlocal emitted
-            if not update.text and not update.logprobs:
+        def render(u: SlotUpdate) -> list[dict[str, Any]]:
+            if not u.text and not u.logprobs:
                 return []
-            scores = logprobs.legacy(tok, update.logprobs, emitted) if wants_logprobs else None
-            emitted += len(update.text)
-            return [{"index": 0, "text": update.text, "logprobs": scores, "finish_reason": None}]
+            scores = logprobs.legacy(tok, u.logprobs, emitted[u.index]) if wants_logprobs else None
+            emitted[u.index] += len(u.text)
+            return [{"index": u.index, "text": u.text, "logprobs": scores, "finish_reason": None}]
 
         def finish_choice(reason: str) -> dict[str, Any]:
             return {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
 
         return _stream(ctx, slot, base, render, finish_choice, None, body.stream_options)
-    c = await _collect(slot)
-    legacy_scores = logprobs.legacy(tok, c.logprobs) if wants_logprobs else None
-    text = "".join(c.text)
-    return _json(
+    choices = [
         {
-            **base,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": legacy_scores,
-                    "finish_reason": c.finish_reason,
-                }
-            ],
-            "usage": _usage(slot, ctx),
+            "index": i,
+            "text": "".join(c.text),
+            "logprobs": logprobs.legacy(tok, c.logprobs) if wants_logprobs else None,
+            "finish_reason": c.finish_reason,
         }
-    )
+        for i, c in enumerate(await _collect_choices(slot))
+    ]
+    return _json({**base, "choices": choices, "usage": _usage(slot, ctx)})
 
 
 @bp.get("/v1/models")

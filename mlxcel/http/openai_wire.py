@@ -95,9 +95,16 @@ def _stop(value: Any) -> tuple[str, ...]:
     raise InvalidRequest("stop must be a string or a list of strings", param="stop")
 
 
-def _n(value: int | None) -> None:
-    if value is not None and value != 1:
-        raise UnsupportedField("n", "only n=1 is supported")
+# OpenAI's own bound; the server's --parallel (rows in the batch) caps it further.
+MAX_N = 128
+
+
+def _n(value: int | None) -> int:
+    if value is None:
+        return 1
+    if not 1 <= value <= MAX_N:
+        raise InvalidRequest(f"n must be between 1 and {MAX_N}", param="n")
+    return value
 
 
 def cache_key(body: ChatCompletionBody | CompletionBody) -> str | None:
@@ -180,7 +187,6 @@ def chat_request(
     data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(data, ChatCompletionBody)
-    _n(body.n)
     max_tokens = _first(body.max_completion_tokens, body.max_tokens, body.n_predict)
     if max_tokens is not None and max_tokens < 0:
         max_tokens = None  # llama.cpp's n_predict -1: until end of sequence or context
@@ -198,6 +204,7 @@ def chat_request(
         ignore_eos=bool(body.ignore_eos),
         cache_key=cache_key(body),
         logprobs=_chat_logprobs(body),
+        n=_n(body.n),
     )
     return body, request
 
@@ -276,7 +283,6 @@ def completion_request(
     data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
 ) -> tuple[CompletionBody, GenerationRequest]:
     body = structure(data, CompletionBody)
-    _n(body.n)
     max_tokens = _first(body.max_tokens, body.n_predict)
     if max_tokens is not None and max_tokens < 0:
         max_tokens = None
@@ -289,6 +295,7 @@ def completion_request(
         ignore_eos=bool(body.ignore_eos),
         cache_key=cache_key(body),
         logprobs=body.logprobs,
+        n=_n(body.n),
     )
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")

@@ -94,7 +94,8 @@ async def slots() -> Response:
         return error_response(ServiceError("no slot available"), "native")
     debug = bool(os.environ.get("LLAMA_SERVER_SLOTS_DEBUG"))
     out = []
-    for i, item in enumerate(items):
+    for i, held in enumerate(items):
+        item, choice = held if held is not None else (None, 0)
         entry: dict[str, Any] = {
             "id": i,
             "n_ctx": ctx.info.context_length,
@@ -108,10 +109,13 @@ async def slots() -> Response:
             entry["id_task"] = item.request.request_id
             entry["n_prompt_tokens"] = len(item.prompt_tokens)
             entry["n_prompt_tokens_cached"] = item.slot.cached_tokens
+            # A request with n choices fills n slots, one per choice, with its own count.
+            entry["n_choice"] = choice
+            decoded = item.slot.choice_tokens(choice)
             entry["next_token"] = {
                 "has_next_token": True,
-                "n_remain": item.max_tokens - item.slot.completion_tokens,
-                "n_decoded": item.slot.completion_tokens,
+                "n_remain": item.max_tokens - decoded,
+                "n_decoded": decoded,
             }
             if debug:  # prompts are users' data: shown only when explicitly asked for
                 entry["prompt"] = ctx.tokenizer.render(item.request)

@@ -186,6 +186,8 @@ class InsertSequence:
     ignore_eos: bool = False
     cache_key: str | None = None
     logprobs: int | None = None
+    # Choices (OpenAI n): the prompt is read once, then its KV cache is forked into n rows.
+    n: int = 1
 
 
 @attrs.frozen
@@ -205,6 +207,9 @@ class StepPlan:
     removes: tuple[str, ...] = ()
     inserts: tuple[InsertSequence, ...] = ()
     reset_cache: bool = False
+    # Single choices of a multi-choice request to drop (a stop string ended them while their
+    # siblings go on); ``removes`` still drops whole requests.
+    stop_choices: tuple[tuple[str, int], ...] = ()
 
 
 # --- model runner -> scheduler ----------------------------------------------------------------
@@ -222,11 +227,13 @@ class TokenOut:
     # alternatives as (token id, logprob), most likely first.
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    # Which of the request's n choices this token belongs to.
+    choice: int = 0
 
 
 @attrs.frozen
 class PrefillProgress:
-    """How far one sequence has read its prompt."""
+    """How far one request has read its prompt (once, whatever its number of choices)."""
 
     request_id: str
     done: int
@@ -273,6 +280,8 @@ class OpenStream:
     parse_tools: bool = False
     single_tool_call: bool = False
     reasoning_open: bool = False
+    # Choices to stream, each with its own detokeniser, stop matcher and parsers.
+    n: int = 1
 
 
 @attrs.frozen
@@ -284,7 +293,8 @@ class StepTokens:
 
 @attrs.frozen
 class CloseStream:
-    """The scheduler ended a request (abort or failure) without a finishing token."""
+    """The scheduler ended a request (abort or failure) without a finishing token: every
+    choice still open ends with this reason."""
 
     request_id: str
     finish_reason: FinishReason

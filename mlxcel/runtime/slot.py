@@ -25,13 +25,22 @@ from mlxcel.runtime.messages import FinishReason
 class AbortBox:
     def __init__(self) -> None:
         self._ids: set[str] = set()
+        self._choices: set[tuple[str, int]] = set()
 
     def notify(self, request_id: str) -> None:
         self._ids.add(request_id)
 
+    def notify_choice(self, request_id: str, choice: int) -> None:
+        """Stop one choice of a multi-choice request; its siblings go on."""
+        self._choices.add((request_id, choice))
+
     def drain(self) -> set[str]:
         ids, self._ids = self._ids, set()
         return ids
+
+    def drain_choices(self) -> set[tuple[str, int]]:
+        choices, self._choices = self._choices, set()
+        return choices
 
 
 class Reservation:
@@ -58,7 +67,7 @@ class TokenLogprob:
 
 @attrs.frozen
 class SlotUpdate:
-    """Everything that arrived since the last read, merged."""
+    """Everything that arrived for one choice since the last read, merged."""
 
     text: str
     n_tokens: int
@@ -67,15 +76,63 @@ class SlotUpdate:
     # Thinking text (split out of the output) and tool-call events, in order.
     reasoning: str = ""
     tool_events: tuple[object, ...] = ()
+    # The choice (OpenAI `index`) this update belongs to.
+    index: int = 0
+
+
+@attrs.define
+class _Choice:
+    """One choice's output not yet read, and its totals."""
+
+    text: list[str] = attrs.field(factory=list)
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    reasoning: list[str] = attrs.field(factory=list)
+    tool_events: list[object] = attrs.field(factory=list)
+    pending_tokens: int = 0
+    tokens: int = 0
+    finish: FinishReason | None = None
+    stop_word: str | None = None
+    delivered: bool = False
+
+    @property
+    def has_news(self) -> bool:
+        pending = self.text or self.logprobs or self.reasoning or self.tool_events
+        return bool(pending or self.pending_tokens) or (
+            self.finish is not None and not self.delivered
+        )
+
+    def take(self, index: int) -> SlotUpdate:
+        update = SlotUpdate(
+            "".join(self.text),
+            self.pending_tokens,
+            self.finish,
+            tuple(self.logprobs),
+            "".join(self.reasoning),
+            tuple(self.tool_events),
+            index,
+        )
+        self.text.clear()
+        self.logprobs.clear()
+        self.reasoning.clear()
+        self.tool_events.clear()
+        self.pending_tokens = 0
+        self.delivered = self.finish is not None
+        return update
 
 
 class OutputSlot:
+    """One request's output: ``n`` choices, each merged separately until the reader comes.
+
+    The request is finished once every choice is; producers name the choice (0 by default).
+    """
+
     def __init__(
         self,
         request_id: str,
         reservation: Reservation,
         aborts: AbortBox,
         on_close: Callable[[], None] = lambda: None,
+        n: int = 1,
     ) -> None:
         self.request_id = request_id
         self.reservation = reservation
@@ -83,12 +140,7 @@ class OutputSlot:
         self._on_close = on_close
         self._wake = trio.Event()
         self._accepted = trio.Event()
-        self._text: list[str] = []
-        self._logprobs: list[TokenLogprob] = []
-        self._reasoning: list[str] = []
-        self._tool_events: list[object] = []
-        self._pending_tokens = 0
-        self._finish: FinishReason | None = None
+        self._choices = [_Choice() for _ in range(n)]
         self._error: MlxcelError | None = None
         self._delivered_finish = False
         self.submitted_at = time.monotonic()
@@ -96,12 +148,30 @@ class OutputSlot:
         self.started_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
-        # Set when a stop string (not an end-of-sequence token) ended the output.
-        self.stop_word: str | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self.completion_tokens = 0
         self.cancelled = False
+
+    @property
+    def n(self) -> int:
+        return len(self._choices)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output tokens over every choice (what usage reports)."""
+        return sum(c.tokens for c in self._choices)
+
+    def choice_tokens(self, choice: int) -> int:
+        return self._choices[choice].tokens
+
+    @property
+    def stop_word(self) -> str | None:
+        """The stop string (not an end-of-sequence token) that ended the first choice."""
+        return self._choices[0].stop_word
+
+    @property
+    def _finished(self) -> bool:
+        return all(c.finish is not None for c in self._choices)
 
     # --- producer side: sync, never blocks --------------------------------------------------
 
@@ -109,42 +179,49 @@ class OutputSlot:
         self.prompt_tokens = prompt_tokens
         self._accepted.set()
 
-    def push(self, text: str, n_tokens: int, logprob: TokenLogprob | None = None) -> None:
+    def push(
+        self, text: str, n_tokens: int, logprob: TokenLogprob | None = None, *, choice: int = 0
+    ) -> None:
         if self.first_token_at is None and n_tokens:
             self.first_token_at = time.monotonic()
+        c = self._choices[choice]
         if text:
-            self._text.append(text)
+            c.text.append(text)
         if logprob is not None:
-            self._logprobs.append(logprob)
-        self._pending_tokens += n_tokens
-        self.completion_tokens += n_tokens
+            c.logprobs.append(logprob)
+        c.pending_tokens += n_tokens
+        c.tokens += n_tokens
         self._wake.set()
 
-    def push_reasoning(self, text: str) -> None:
+    def push_reasoning(self, text: str, *, choice: int = 0) -> None:
         if text:
-            self._reasoning.append(text)
+            self._choices[choice].reasoning.append(text)
             self._wake.set()
 
-    def push_tool_event(self, event: object) -> None:
-        self._tool_events.append(event)
+    def push_tool_event(self, event: object, *, choice: int = 0) -> None:
+        self._choices[choice].tool_events.append(event)
         self._wake.set()
 
-    def finish(self, reason: FinishReason, stop_word: str | None = None) -> None:
-        if self._finish is None:
-            self._finish = reason
-            self.stop_word = stop_word
-            self.finished_at = time.monotonic()
+    def finish(
+        self, reason: FinishReason, stop_word: str | None = None, *, choice: int = 0
+    ) -> None:
+        c = self._choices[choice]
+        if c.finish is None:
+            c.finish = reason
+            c.stop_word = stop_word
+            if self._finished:
+                self.finished_at = time.monotonic()
         self._wake.set()
 
     def fail(self, error: MlxcelError) -> None:
-        if self._error is None and self._finish is None:
+        if self._error is None and not self._finished:
             self._error = error
         self._accepted.set()
         self._wake.set()
 
     @property
     def done(self) -> bool:
-        return self._finish is not None or self._error is not None or self.cancelled
+        return self._finished or self._error is not None or self.cancelled
 
     # --- consumer side ----------------------------------------------------------------------
 
@@ -158,11 +235,15 @@ class OutputSlot:
             raise self._error
         return self.prompt_tokens
 
-    async def next(self, timeout: float = math.inf) -> SlotUpdate | None:  # noqa: ASYNC109 - a timeout that returns None (keepalive due) is the point, not a cancel
-        """Everything produced since the last call, or None when ``timeout`` passes first.
+    async def next_choices(
+        self,
+        timeout: float = math.inf,  # noqa: ASYNC109 - returning None (keepalive due) is the point
+    ) -> tuple[SlotUpdate, ...] | None:
+        """One update per choice with anything new since the last call (its finish included),
+        or None when ``timeout`` passes first.
 
-        Raises the request's error. After the finishing update, further calls raise
-        ``trio.EndOfChannel``.
+        Raises the request's error. Once every choice's finishing update has been returned,
+        further calls raise ``trio.EndOfChannel``.
         """
         if self._delivered_finish:
             raise trio.EndOfChannel
@@ -173,28 +254,32 @@ class OutputSlot:
         self._wake = trio.Event()
         if self._error is not None:
             raise self._error
-        update = SlotUpdate(
-            "".join(self._text),
-            self._pending_tokens,
-            self._finish,
-            tuple(self._logprobs),
-            "".join(self._reasoning),
-            tuple(self._tool_events),
-        )
-        self._text.clear()
-        self._logprobs.clear()
-        self._reasoning.clear()
-        self._tool_events.clear()
-        self._pending_tokens = 0
-        if self._finish is not None:
-            self._delivered_finish = True
-        return update
+        updates = tuple(c.take(i) for i, c in enumerate(self._choices) if c.has_news)
+        self._delivered_finish = all(c.delivered for c in self._choices)
+        return updates
+
+    @property
+    def delivered(self) -> bool:
+        """Every choice's finishing update has been read."""
+        return self._delivered_finish
+
+    async def next(
+        self,
+        timeout: float = math.inf,  # noqa: ASYNC109 - as next_choices
+    ) -> SlotUpdate | None:
+        """``next_choices`` for a single-choice request: its update (possibly empty), or None
+        when ``timeout`` passes first."""
+        assert self.n == 1, "a multi-choice slot is read with next_choices()"
+        updates = await self.next_choices(timeout)
+        if updates is None:
+            return None
+        return updates[0] if updates else SlotUpdate("", 0, None)
 
     def cancel(self) -> None:
         """The reader is gone or done: stop the work if it is still going. Idempotent."""
         if not self.cancelled:
             self.cancelled = True
-            if self._finish is None and self._error is None:
+            if not self._finished and self._error is None:
                 self._aborts.notify(self.request_id)
             self.reservation.release()
             self._on_close()

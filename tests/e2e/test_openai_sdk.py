@@ -164,7 +164,7 @@ def test_stop_string_is_cut(openai_client: openai.OpenAI) -> None:
         ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
         ({"messages": MESSAGES, "seed": -5}, "seed"),
         ({"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
-        ({"messages": MESSAGES, "n": 3}, "n"),
+        ({"messages": MESSAGES, "n": 5}, "n"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "   "}]}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),

@@ -1,4 +1,10 @@
-"""The production Backend: mlx-lm's BatchGenerator on the model runner's thread."""
+"""The production Backend: mlx-lm's BatchGenerator on the model runner's thread.
+
+Each batch row is one choice of one request (``uid`` -> request id and choice). A request with
+n choices is inserted as one row that reads the prompt; the moment that row has read all but
+the prompt's last token, its cache is extracted and the other n - 1 rows start from it
+(``choices`` explains the arithmetic).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,13 @@ import logging
 import time
 from typing import Any
 
+import attrs
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.actors.model_runner.choices import choice_sampling
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
@@ -25,6 +33,18 @@ from mlxcel.runtime.messages import (
 from mlxcel.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class _Row:
+    """One batch row to start: a choice of a request, from this prompt suffix and cache."""
+
+    seq: InsertSequence
+    choice: int
+    prompt: list[int]
+    cache: list[Any] | None
+    # The prompt tokens the cache already holds.
+    known: list[int]
 
 
 class MlxBackend:
@@ -56,9 +76,13 @@ class MlxBackend:
         self._eos_stop = StopSequences([[t] for t in sorted(loaded.eos_token_ids)])
         self._no_stop = StopSequences()
         self._rid_by_uid: dict[int, str] = {}
-        self._uid_by_rid: dict[str, int] = {}
+        self._choice_by_uid: dict[int, int] = {}
+        self._uids_by_rid: dict[str, list[int]] = {}
         self._cache_key: dict[str, str] = {}
-        self._logprobs: dict[str, int] = {}
+        # Top-k asked for, per row that wants log-probabilities.
+        self._logprobs: dict[int, int] = {}
+        # Rows reading a prompt for a request with more choices to fork once it is read.
+        self._forks: dict[int, InsertSequence] = {}
         self._cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_enabled else None
 
     def warmup(self) -> float:
@@ -78,14 +102,8 @@ class MlxBackend:
     def apply(self, plan: StepPlan) -> StepOutput:
         if plan.reset_cache and self._cache is not None:
             self._cache.reset()
-        if plan.removes:
-            uids = [self._uid_by_rid.pop(rid) for rid in plan.removes if rid in self._uid_by_rid]
-            for rid in plan.removes:
-                self._cache_key.pop(rid, None)
-                self._logprobs.pop(rid, None)
-            for uid in uids:
-                self._rid_by_uid.pop(uid, None)
-            self._gen.remove(uids)
+        if plan.removes or plan.stop_choices:
+            self._remove(plan.removes, plan.stop_choices)
         cached = self._insert(plan.inserts) if plan.inserts else ()
         if not self._rid_by_uid:
             return StepOutput(cached=cached, cache=self._stats())
@@ -96,30 +114,29 @@ class MlxBackend:
         for r in generation_responses:
             rid = self._rid_by_uid[r.uid]
             lp, top = scored.get(r.uid, (None, ()))
-            tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top))  # type: ignore[arg-type]
+            choice = self._choice_by_uid[r.uid]
+            tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top, choice))
             if r.finish_reason is not None:
-                self._logprobs.pop(rid, None)
-                del self._rid_by_uid[r.uid]
-                del self._uid_by_rid[rid]
+                # The first choice to finish donates its cache; one entry per prompt is enough.
                 key = self._cache_key.pop(rid, None)
                 if key is not None and self._cache is not None and r.prompt_cache is not None:
                     self._cache.store(key, list(r.all_tokens or ()), r.prompt_cache)
+                self._forget(r.uid)
+        # Progress is the prompt's, read once by choice 0; the forked rows read nothing.
         prefill = tuple(
             PrefillProgress(self._rid_by_uid[p.uid], int(p.progress[0]), int(p.progress[1]))
             for p in prompt_responses
-            if p.uid in self._rid_by_uid
+            if self._choice_by_uid.get(p.uid) == 0
         )
+        if self._forks:
+            self._fork(prompt_responses)
         return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=self._stats())
 
     def _score(
         self, responses: list[Any]
     ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
         """Log-probabilities for the rows that asked, in one evaluation for the whole step."""
-        rows = [
-            (r, self._logprobs[rid])
-            for r in responses
-            if (rid := self._rid_by_uid.get(r.uid)) in self._logprobs
-        ]
+        rows = [(r, self._logprobs[r.uid]) for r in responses if r.uid in self._logprobs]
         if not rows:
             return {}
         dist = mx.stack([r.logprobs for r, _ in rows])
@@ -143,36 +160,95 @@ class MlxBackend:
         return self._cache.stats() if self._cache is not None else None
 
     def _insert(self, inserts: tuple[InsertSequence, ...]) -> tuple[tuple[str, int], ...]:
-        prompts, caches, known, cached = [], [], [], []
+        rows: list[_Row] = []
+        leaders: list[int] = []  # rows whose request forks its other choices later
+        cached = []
         for s in inserts:
             prompt = list(s.prompt_tokens)
             cache, n = None, 0
-            if s.logprobs is not None:
-                self._logprobs[s.request_id] = s.logprobs
             if self._cache is not None and s.cache_key is not None:
                 cache, n = self._cache.lookup(s.cache_key, prompt)
                 self._cache_key[s.request_id] = s.cache_key
-            prompts.append(prompt[n:])
-            caches.append(cache)
-            known.append(prompt[:n])
             cached.append((s.request_id, n))
+            # With more than the last token left to read, choice 0 reads it alone and the
+            # others fork from its cache afterwards (_fork); else all start from this one.
+            forks_later = s.n > 1 and len(prompt) - n > 1
+            if forks_later:
+                leaders.append(len(rows))
+            for choice in range(1 if forks_later else s.n):
+                rows.append(_Row(s, choice, prompt[n:], cache, prompt[:n]))
+        uids = self._start(rows)
+        for i in leaders:
+            self._forks[uids[i]] = rows[i].seq
+        return tuple(cached)
+
+    def _start(self, rows: list[_Row]) -> list[int]:
+        """Insert these rows into the batch; each choice gets its own sampler chain."""
         chains = [
-            sampler_chain.build(s.sampling, vocab_size=self._vocab_size, encode=self._encode)
-            for s in inserts
+            sampler_chain.build(
+                choice_sampling(r.seq.sampling, r.choice),
+                vocab_size=self._vocab_size,
+                encode=self._encode,
+            )
+            for r in rows
         ]
-        uids = self._gen.insert(
-            prompts,
-            max_tokens=[s.max_tokens for s in inserts],
-            caches=caches,
-            all_tokens=known,
+        uids: list[int] = self._gen.insert(
+            [r.prompt for r in rows],
+            max_tokens=[r.seq.max_tokens for r in rows],
+            # BatchGenerator merges (copies) the caches it is given into its batch cache, so
+            # the rows of one request may share a source cache object.
+            caches=[r.cache for r in rows],  # type: ignore[misc] # None: a fresh cache
+            # Each row's token history grows on its own: a list of its own.
+            all_tokens=[list(r.known) for r in rows],
             samplers=[sampler for _, sampler in chains],
             logits_processors=[processors for processors, _ in chains],
-            stop_sequences=[self._no_stop if s.ignore_eos else self._eos_stop for s in inserts],
+            stop_sequences=[self._no_stop if r.seq.ignore_eos else self._eos_stop for r in rows],
         )
-        for uid, seq in zip(uids, inserts, strict=True):
-            self._rid_by_uid[uid] = seq.request_id
-            self._uid_by_rid[seq.request_id] = uid
-        return tuple(cached)
+        for uid, r in zip(uids, rows, strict=True):
+            rid = r.seq.request_id
+            self._rid_by_uid[uid] = rid
+            self._choice_by_uid[uid] = r.choice
+            self._uids_by_rid.setdefault(rid, []).append(uid)
+            if r.seq.logprobs is not None:
+                self._logprobs[uid] = r.seq.logprobs
+        return uids
+
+    def _fork(self, prompt_responses: list[Any]) -> None:
+        """Start the other choices of requests whose first row has just read all of its prompt
+        but the last token (that row's first segment ended in this step)."""
+        for p in prompt_responses:
+            if not p.end_of_segment or p.end_of_prompt or p.uid not in self._forks:
+                continue
+            seq = self._forks.pop(p.uid)
+            cache, known = self._gen.extract_cache([p.uid])[p.uid]
+            last = list(seq.prompt_tokens[-1:])
+            self._start([_Row(seq, c, last, cache, known) for c in range(1, seq.n)])
+
+    def _forget(self, uid: int) -> None:
+        rid = self._rid_by_uid.pop(uid)
+        del self._choice_by_uid[uid]
+        self._logprobs.pop(uid, None)
+        self._forks.pop(uid, None)
+        uids = self._uids_by_rid[rid]
+        uids.remove(uid)
+        if not uids:
+            del self._uids_by_rid[rid]
+            self._cache_key.pop(rid, None)
+
+    def _remove(self, requests: tuple[str, ...], choices: tuple[tuple[str, int], ...]) -> None:
+        """Drop whole requests, and single choices of others."""
+        uids = [u for rid in requests for u in self._uids_by_rid.get(rid, ())]
+        stop = set(choices)
+        uids += [
+            u
+            for rid, _ in choices
+            for u in self._uids_by_rid.get(rid, ())
+            if (rid, self._choice_by_uid[u]) in stop
+        ]
+        uids = list(dict.fromkeys(uids))
+        for uid in uids:
+            self._forget(uid)
+        self._gen.remove(uids)
 
     def close(self) -> None:
         """Last call on the compute thread: mlx's per-thread streams must not outlive it."""

@@ -3,7 +3,8 @@
 The scheduler actor calls ``plan`` at every step boundary with the ids aborted since the last
 one. Aborted running sequences are removed in the same plan, so a disconnected request stops
 consuming compute within one step (one decode step or one prefill chunk). Queued requests are
-admitted FIFO while fewer than ``parallel`` sequences run.
+admitted FIFO while their batch rows fit in ``parallel``: a request with n choices takes n rows
+(one per choice) and gives each back as that choice finishes.
 """
 
 from __future__ import annotations
@@ -26,16 +27,57 @@ class SchedulerState:
     join_window: float = 0.0
     arrived: dict[str, float] = attrs.field(factory=dict)
     # Slot positions as llama-server numbers them (/slots): the request id in each, or None.
+    # A request with n choices holds n slots; ``slot_choices`` says which choice is in each.
     slots: list[str | None] = attrs.field()
+    slot_choices: list[int] = attrs.field()
+    # The choices of each running request that are still decoding.
+    live: dict[str, set[int]] = attrs.field(factory=dict)
 
     @slots.default
     def _no_slots(self) -> list[str | None]:
         return [None] * self.parallel
 
+    @slot_choices.default
+    def _no_choices(self) -> list[int]:
+        return [0] * self.parallel
+
     def _leave(self, rid: str) -> None:
         self.running.pop(rid, None)
-        if rid in self.slots:
-            self.slots[self.slots.index(rid)] = None
+        self.live.pop(rid, None)
+        for i, held in enumerate(self.slots):
+            if held == rid:
+                self.slots[i] = None
+
+    def _occupy(self, item: Tokenized) -> None:
+        rid, n = item.request.request_id, item.request.n
+        self.running[rid] = item
+        self.live[rid] = set(range(n))
+        free = [i for i, held in enumerate(self.slots) if held is None]
+        for choice, i in zip(range(n), free, strict=False):
+            self.slots[i], self.slot_choices[i] = rid, choice
+
+    def _end_choice(self, rid: str, choice: int) -> bool:
+        """One choice stopped decoding; True when that was the request's last one."""
+        live = self.live.get(rid)
+        if live is None or choice not in live:
+            return False
+        live.discard(choice)
+        for i, held in enumerate(self.slots):
+            if held == rid and self.slot_choices[i] == choice:
+                self.slots[i] = None
+        if live:
+            return False
+        self._leave(rid)
+        return True
+
+    @property
+    def rows(self) -> int:
+        """Batch rows in use: one per choice still decoding."""
+        return sum(len(live) for live in self.live.values())
+
+    def _fits(self, item: Tokenized) -> bool:
+        # A request wider than the batch (HTTP rejects those) still runs once alone.
+        return self.rows + item.request.n <= self.parallel or not self.running
 
     @property
     def idle(self) -> bool:
@@ -50,8 +92,8 @@ class SchedulerState:
         the oldest has waited out the join window."""
         if not self.running or self.join_window <= 0:
             return True
-        free = self.parallel - len(self.running)
-        if len(self.waiting) >= free:
+        free = self.parallel - self.rows
+        if sum(i.request.n for i in self.waiting) >= free:
             return True
         oldest = min(self.arrived[i.request.request_id] for i in self.waiting)
         return now - oldest >= self.join_window
@@ -66,11 +108,23 @@ class Decision:
     started: tuple[Tokenized, ...]
 
 
-def plan(state: SchedulerState, aborted: Iterable[str], now: float = 0.0) -> Decision:
+def plan(
+    state: SchedulerState,
+    aborted: Iterable[str],
+    now: float = 0.0,
+    stopped: Iterable[tuple[str, int]] = (),
+) -> Decision:
+    """``aborted``: request ids to end; ``stopped``: single choices to end (stop strings)."""
     aborted = set(aborted)
-    removes = tuple(rid for rid in aborted if rid in state.running)
+    removes = [rid for rid in aborted if rid in state.running]
     for rid in removes:
         state._leave(rid)
+    stop_choices = []
+    for rid, choice in sorted(stopped):
+        if state._end_choice(rid, choice):
+            removes.append(rid)  # its last choice: drop whatever of it is left
+        elif rid in state.running:
+            stop_choices.append((rid, choice))
 
     dropped = tuple(item for item in state.waiting if item.request.request_id in aborted)
     if dropped:
@@ -81,13 +135,14 @@ def plan(state: SchedulerState, aborted: Iterable[str], now: float = 0.0) -> Dec
     started: list[Tokenized] = []
     # Decided once per plan: when the window opens, everyone waiting joins together.
     join = bool(state.waiting) and state.may_join(now)
-    while join and state.waiting and len(state.running) < state.parallel:
+    while join and state.waiting and state.rows < state.parallel:
         # Strict priority between lanes, FIFO within a lane (no ageing, as llama-server).
         best = min(range(len(state.waiting)), key=lambda i: state.waiting[i].request.priority)
         item = state.waiting[best]
+        if not state._fits(item):
+            break  # the head of the line waits for rows; nobody overtakes it
         del state.waiting[best]
-        state.running[item.request.request_id] = item
-        state.slots[state.slots.index(None)] = item.request.request_id
+        state._occupy(item)
         state.arrived.pop(item.request.request_id, None)
         started.append(item)
 
@@ -100,16 +155,23 @@ def plan(state: SchedulerState, aborted: Iterable[str], now: float = 0.0) -> Dec
             ignore_eos=item.request.ignore_eos,
             cache_key=item.request.cache_key,
             logprobs=item.request.logprobs,
+            n=item.request.n,
         )
         for item in started
     )
-    return Decision(StepPlan(removes=removes, inserts=inserts), dropped, tuple(started))
+    step = StepPlan(removes=tuple(removes), inserts=inserts, stop_choices=tuple(stop_choices))
+    return Decision(step, dropped, tuple(started))
 
 
 def complete(state: SchedulerState, output: StepOutput) -> tuple[str, ...]:
-    """Forget the sequences that finished in this step; return their ids."""
-    finished = [t.request_id for t in output.tokens if t.finish_reason is not None]
-    finished += [rid for rid, _ in output.errors]
-    for rid in finished:
-        state._leave(rid)
+    """Forget the choices that finished in this step; return the requests that are done."""
+    finished = [
+        t.request_id
+        for t in output.tokens
+        if t.finish_reason is not None and state._end_choice(t.request_id, t.choice)
+    ]
+    for rid, _ in output.errors:
+        if rid in state.running:
+            state._leave(rid)
+            finished.append(rid)
     return tuple(finished)
