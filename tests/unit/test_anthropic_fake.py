@@ -188,7 +188,7 @@ async def test_pings_while_silent_and_an_error_event_without_message_stop(
                     assert await lines.__anext__() == 'data: {"type":"ping"}'
                 if pings == 2:
                     break
-            (item,) = [i for i in ctx.scheduler.slot_items() if i is not None]
+            ((item, _choice),) = [i for i in ctx.scheduler.slot_items() if i is not None]
             item.slot.fail(InternalError("Generation error: boom"))
             rest = [line async for line in lines if line]
     assert rest[-2:] == [
