@@ -278,6 +278,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         choices=["cls", "mean", "max", "lasttoken"],
         help="override the embedder's pooling",
     )
+    opt(
+        "--reasoning-budget",
+        env="LLAMA_ARG_THINK_BUDGET",
+        type=int,
+        default=d.reasoning_budget,
+        help="default thinking budget in tokens: -1 unlimited, 0 no thinking, N cap",
+    )
     g = d.sampling
     for flags, env, kind, default, what in (
         (("--temp",), "TEMP", float, g.temperature, "temperature"),
@@ -412,6 +419,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--embedding-queue-depth": args.embedding_queue_depth >= 1,
         "--embedding-request-timeout-secs": args.embedding_request_timeout_secs > 0,
         "--embd-normalize": args.embd_normalize >= -1,
+        "--reasoning-budget": args.reasoning_budget >= -1,
     }
     for flag, ok in checks.items():
         if not ok:
@@ -451,6 +459,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         embedding_request_timeout_secs=args.embedding_request_timeout_secs,
         embd_normalize=args.embd_normalize,
         pooling=args.pooling,
+        reasoning_budget=args.reasoning_budget,
     )
 
 

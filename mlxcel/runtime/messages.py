@@ -170,6 +170,8 @@ class Tokenized:
     max_tokens: int
     # The rendered prompt leaves a thinking block open (the output starts inside reasoning).
     reasoning_open: bool = False
+    # The request's constraint compiled to an llguidance grammar (off the compute thread).
+    grammar: str | None = None
 
 
 # --- scheduler -> model runner ----------------------------------------------------------------
@@ -186,6 +188,12 @@ class InsertSequence:
     ignore_eos: bool = False
     cache_key: str | None = None
     logprobs: int | None = None
+    # llguidance grammar the output must match (None: unconstrained).
+    grammar: str | None = None
+    # Reasoning tokens before the end-of-thinking marker is forced (None: unlimited).
+    thinking_budget: int | None = None
+    # The prompt leaves a thinking block open: the output starts inside reasoning.
+    reasoning_open: bool = False
 
 
 @attrs.frozen

@@ -71,6 +71,8 @@ class Settings:
     metrics_endpoint: bool = False
     slots_endpoint: bool = True
     props_endpoint: bool = False
+    # Default thinking budget for requests that set none: -1 unlimited, 0 none, N tokens.
+    reasoning_budget: int = -1
 
     @property
     def cache_enabled(self) -> bool:

@@ -11,7 +11,9 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
+from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -60,6 +62,8 @@ class MlxBackend:
         self._cache_key: dict[str, str] = {}
         self._logprobs: dict[str, int] = {}
         self._cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_enabled else None
+        self._guides: dict[str, Guide] = {}
+        self._kit = _guide_kit(loaded, self._encode, self._vocab_size)
 
     def warmup(self) -> float:
         """Run one tiny generation so the first request pays no first-call costs."""
@@ -83,6 +87,7 @@ class MlxBackend:
             for rid in plan.removes:
                 self._cache_key.pop(rid, None)
                 self._logprobs.pop(rid, None)
+                self._guides.pop(rid, None)
             for uid in uids:
                 self._rid_by_uid.pop(uid, None)
             self._gen.remove(uids)
@@ -91,14 +96,18 @@ class MlxBackend:
             return StepOutput(cached=cached, cache=self._stats())
 
         prompt_responses, generation_responses = self._gen.next()
+        errors = self._failed_guides(generation_responses) if self._guides else ()
         scored = self._score(generation_responses) if self._logprobs else {}
         tokens = []
         for r in generation_responses:
-            rid = self._rid_by_uid[r.uid]
+            rid = self._rid_by_uid.get(r.uid)
+            if rid is None:  # failed by its guide just now
+                continue
             lp, top = scored.get(r.uid, (None, ()))
             tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top))  # type: ignore[arg-type]
             if r.finish_reason is not None:
                 self._logprobs.pop(rid, None)
+                self._guides.pop(rid, None)
                 del self._rid_by_uid[r.uid]
                 del self._uid_by_rid[rid]
                 key = self._cache_key.pop(rid, None)
@@ -109,7 +118,25 @@ class MlxBackend:
             for p in prompt_responses
             if p.uid in self._rid_by_uid
         )
-        return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=self._stats())
+        return StepOutput(
+            tokens=tuple(tokens), prefill=prefill, errors=errors, cached=cached, cache=self._stats()
+        )
+
+    def _failed_guides(self, responses: list[Any]) -> tuple[tuple[str, str], ...]:
+        """Sequences whose matcher failed: dropped from the batch and reported as errors."""
+        failed = []
+        for r in responses:
+            rid = self._rid_by_uid[r.uid]
+            guide = self._guides.get(rid)
+            if guide is None or guide.error is None:
+                continue
+            failed.append((rid, guide.error))
+            del self._guides[rid], self._rid_by_uid[r.uid], self._uid_by_rid[rid]
+            self._logprobs.pop(rid, None)
+            self._cache_key.pop(rid, None)
+            if r.finish_reason is None:
+                self._gen.remove([r.uid])
+        return tuple(failed)
 
     def _score(
         self, responses: list[Any]
@@ -160,6 +187,13 @@ class MlxBackend:
             sampler_chain.build(s.sampling, vocab_size=self._vocab_size, encode=self._encode)
             for s in inserts
         ]
+        for s, (processors, _) in zip(inserts, chains, strict=True):
+            guide = self._kit.guide(
+                grammar=s.grammar, budget=s.thinking_budget, reasoning_open=s.reasoning_open
+            )
+            if guide is not None:  # last: it masks what the other processors produced
+                processors.append(guide)
+                self._guides[s.request_id] = guide
         uids = self._gen.insert(
             prompts,
             max_tokens=[s.max_tokens for s in inserts],
@@ -179,3 +213,14 @@ class MlxBackend:
         self._gen.close()
         mx.clear_cache()
         release_thread_streams()
+
+
+def _guide_kit(loaded: LoadedModel, encode: Any, vocab_size: int) -> GuideKit:
+    fmt = detect_reasoning(loaded.chat_template)
+    think = (tuple(encode(fmt.start)), tuple(encode(fmt.end))) if fmt is not None else None
+    return GuideKit(
+        loaded.tokenizer,
+        vocab_size=vocab_size,
+        eos_token_ids=sorted(loaded.eos_token_ids),
+        think=think,
+    )

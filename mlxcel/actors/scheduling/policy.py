@@ -100,6 +100,9 @@ def plan(state: SchedulerState, aborted: Iterable[str], now: float = 0.0) -> Dec
             ignore_eos=item.request.ignore_eos,
             cache_key=item.request.cache_key,
             logprobs=item.request.logprobs,
+            grammar=item.grammar,
+            thinking_budget=item.request.thinking_budget,
+            reasoning_open=item.reasoning_open,
         )
         for item in started
     )
