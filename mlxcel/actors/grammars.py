@@ -27,6 +27,7 @@ from mlxcel.runtime.messages import (
     ForcedToolCall,
     JsonObjectFormat,
     JsonSchemaFormat,
+    LarkGrammar,
 )
 
 # Compact separators like json.dumps' defaults: what templates show models, and no unbounded
@@ -66,6 +67,18 @@ def schema_grammar(schema_json: str, *, param: str = "response_format") -> str:
     except ValueError as error:
         raise GrammarError(f"Invalid {param}: {error}", param=param) from None
     return _check(grammar, param)
+
+
+def gbnf_grammar(text: str, *, param: str = "grammar") -> LarkGrammar:
+    """llama.cpp's GBNF (or Lark already) as a checked LarkGrammar; GrammarError names param."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        lark = any_to_lark(text)
+    except Exception as error:  # the converter raises its own error types for bad GBNF
+        raise GrammarError(f"Invalid {param}: {error}", param=param) from None
+    _check(LLMatcher.grammar_from_lark(lark), param)
+    return LarkGrammar(lark=lark)
 
 
 def _lit(text: str) -> str:
@@ -179,6 +192,8 @@ def grammar_for(
                 )
             lark = tool_call_lark(constraint, tools, tool_format, special)
             return _check(LLMatcher.grammar_from_lark(lark), "tools")
+        case LarkGrammar(lark=lark):
+            return _check(LLMatcher.grammar_from_lark(lark), "grammar")
     raise AssertionError(constraint)
 
 

@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from mlxcel.actors.grammars import schema_grammar
+from mlxcel.actors.grammars import gbnf_grammar, schema_grammar
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import (
     Constraint,
@@ -116,3 +116,20 @@ def thinking_budget(values: dict[str, Any], default: int) -> int | None:
             param=field,
         )
     return None if chosen == -1 else chosen
+
+
+def native_constraint(json_schema: Any, grammar: Any) -> Constraint | None:
+    """llama-server's native `json_schema` (a schema object) or `grammar` (GBNF or Lark)."""
+    if json_schema is not None and grammar is not None:
+        raise InvalidRequest("json_schema and grammar cannot be combined", param="grammar")
+    if json_schema is not None:
+        if not isinstance(json_schema, dict):
+            raise InvalidRequest("json_schema must be a JSON schema object", param="json_schema")
+        schema_json = json.dumps(json_schema)
+        schema_grammar(schema_json, param="json_schema")
+        return JsonSchemaFormat(schema_json=schema_json)
+    if grammar is None or grammar == "":
+        return None
+    if not isinstance(grammar, str):
+        raise InvalidRequest("grammar must be a string (GBNF)", param="grammar")
+    return gbnf_grammar(grammar)

@@ -110,7 +110,15 @@ class ForcedToolCall:
     parallel: bool = True
 
 
-Constraint = JsonSchemaFormat | JsonObjectFormat | ForcedToolCall
+@attrs.frozen(kw_only=True)
+class LarkGrammar:
+    """Constrain the output to a grammar in llguidance's Lark syntax (llama-server's `grammar`
+    field, GBNF converted at the HTTP boundary)."""
+
+    lark: str
+
+
+Constraint = JsonSchemaFormat | JsonObjectFormat | ForcedToolCall | LarkGrammar
 
 
 @attrs.frozen(kw_only=True)
