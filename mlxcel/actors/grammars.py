@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llguidance import LLMatcher
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # only in the type stub
 
 from mlxcel.actors.toolcalls.events import ToolFormat
 from mlxcel.runtime.errors import InvalidRequest
@@ -32,7 +35,7 @@ from mlxcel.runtime.messages import (
 
 # Compact separators like json.dumps' defaults: what templates show models, and no unbounded
 # whitespace runs for a weak model to wander into.
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

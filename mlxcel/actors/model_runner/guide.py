@@ -126,7 +126,8 @@ class Guide:
         if self._base is None:
             self._base = n  # the first call reads the prompt's last token: nothing generated
         elif n > self._base:
-            for token in context[self._base :].tolist():
+            new: list[int] = context[self._base :].tolist()  # type: ignore[assignment]
+            for token in new:
                 self._observe(int(token))
             self._base = n
         if self.error is not None:

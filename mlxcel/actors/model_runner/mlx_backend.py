@@ -100,9 +100,9 @@ class MlxBackend:
         scored = self._score(generation_responses) if self._logprobs else {}
         tokens = []
         for r in generation_responses:
-            rid = self._rid_by_uid.get(r.uid)
-            if rid is None:  # failed by its guide just now
+            if r.uid not in self._rid_by_uid:  # failed by its guide just now
                 continue
+            rid = self._rid_by_uid[r.uid]
             lp, top = scored.get(r.uid, (None, ()))
             tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top))  # type: ignore[arg-type]
             if r.finish_reason is not None:
