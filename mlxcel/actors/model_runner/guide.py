@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
+from llguidance.numpy import fill_next_token_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,13 @@ class Guide:
             self._forcing = list(kit.think[1])
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        try:
+            return self._guided(context, logits)
+        except Exception as error:  # never into the batch step: that would fail every row
+            self.fail(f"{type(error).__name__}: {error}")
+            return self._force(logits, self._kit.eos)
+
+    def _guided(self, context: mx.array, logits: mx.array) -> mx.array:
         n = int(context.shape[0])
         if self._base is None:
             self._base = n  # the first call reads the prompt's last token: nothing generated
@@ -136,8 +144,6 @@ class Guide:
             return self._force(logits, self._forcing[0])
         if self._matcher is None or not self._armed:
             return logits
-        from llguidance.numpy import fill_next_token_bitmask
-
         fill_next_token_bitmask(self._matcher, self._bitmask)
         if self._matcher.is_error():
             self.fail(self._matcher.get_error())
