@@ -3,9 +3,9 @@
 A ``Guide`` is one more mlx-lm logits processor on the rows that need it (a grammar, or a
 thinking budget on a template that thinks); every other row has none and pays nothing. mlx-lm
 calls it with the row's context (prompt + generated tokens, the last one being the token this
-step reads) and its ``[1, V]`` logits. The guide reads the tokens it has not seen yet (a host
-sync on the previous step's draw, which is already in flight), advances its state, and returns
-the logits masked:
+step reads) and its ``[1, V]`` logits. The guide first submits the forward pass, then reads the
+tokens it has not seen yet (a host sync on the previous step's draw), advances its state and
+computes its mask while the device runs the forward pass, and returns the logits masked:
 
 - thinking budget: while inside a thinking block, count tokens; once the budget is spent, force
   the end-of-thinking marker's tokens one per step (everything else -inf);
@@ -134,6 +134,9 @@ class Guide:
         if self._base is None:
             self._base = n  # the first call reads the prompt's last token: nothing generated
         elif n > self._base:
+            # Start this step's forward pass before waiting for last step's token, so the
+            # device computes it while this thread computes the mask (as vLLM overlaps them).
+            mx.async_eval(logits)
             new: list[int] = context[self._base :].tolist()  # type: ignore[assignment]
             for token in new:
                 self._observe(int(token))
