@@ -113,6 +113,17 @@ def test_json_schema_output_validates(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def test_streamed_json_schema_output_is_the_same_json(client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    kw: dict[str, Any] = {"model": "default", "messages": ASK, "max_tokens": 200, "seed": 12}
+    whole = client.chat.completions.create(response_format=fmt, **kw)
+    chunks = list(client.chat.completions.create(response_format=fmt, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     r = client.chat.completions.parse(
         model="default", messages=ASK, max_tokens=200, seed=2, response_format=Person
