@@ -86,6 +86,7 @@ class CompletionBody(SamplingFields):
     cache_prompt: bool | None = None
     prompt_cache_key: str | None = None
     logprobs: int | None = None
+    response_format: Any = None
 
 
 def new_id(prefix: str) -> str:
@@ -306,6 +307,7 @@ def completion_request(
         ignore_eos=bool(body.ignore_eos),
         cache_key=cache_key(body),
         logprobs=body.logprobs,
+        constraint=structured_wire.response_format(body.response_format),
     )
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")

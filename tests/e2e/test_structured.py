@@ -92,8 +92,9 @@ def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 
 
 @pytest.fixture(scope="module")
-def client(tools_server: ServerProcess) -> openai.OpenAI:
-    return _client(tools_server)
+def client(tools_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with _client(tools_server) as c:
+        yield c
 
 
 def test_json_schema_output_validates(client: openai.OpenAI) -> None:
@@ -311,8 +312,14 @@ def _think(client: openai.OpenAI, budget: int) -> tuple[int | None, str, str]:
     )
 
 
-def test_thinking_budget_caps_the_reasoning(thinking_server: ServerProcess) -> None:
-    client = _client(thinking_server)
+@pytest.fixture(scope="module")
+def thinking_client(thinking_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with _client(thinking_server) as c:
+        yield c
+
+
+def test_thinking_budget_caps_the_reasoning(thinking_client: openai.OpenAI) -> None:
+    client = thinking_client
     closed, unlimited, answer = _think(client, -1)
     # Unbounded, random weights never close the block within 60 tokens.
     assert closed is None and unlimited and not answer
@@ -324,9 +331,8 @@ def test_thinking_budget_caps_the_reasoning(thinking_server: ServerProcess) -> N
     assert closed == 0 and reasoning == "" and answer.strip()
 
 
-def test_json_schema_starts_after_thinking(thinking_server: ServerProcess) -> None:
-    client = _client(thinking_server)
-    r = client.chat.completions.create(
+def test_json_schema_starts_after_thinking(thinking_client: openai.OpenAI) -> None:
+    r = thinking_client.chat.completions.create(
         model="default",
         messages=ASK,
         max_tokens=300,
@@ -343,11 +349,10 @@ def test_server_default_budget_flag(tmp_path: Path) -> None:
     model = build_tiny_model(tmp_path / "qwen3", chat_template=QWEN_THINKING)
     server = ServerProcess(["-m", str(model), "--reasoning-budget", "0"])
     try:
-        closed, _, _ = _think(_client(server), -1)
+        with _client(server) as client:
+            closed, _, _ = _think(client, -1)
+            r = client.chat.completions.create(model="default", messages=ASK, max_tokens=20, seed=9)
         assert closed is None  # the request's -1 wins over the flag
-        r = _client(server).chat.completions.create(
-            model="default", messages=ASK, max_tokens=20, seed=9
-        )
         assert not r.choices[0].message.model_dump().get("reasoning_content")
         assert r.choices[0].message.content
     finally:
@@ -372,3 +377,20 @@ def test_native_completion_json_schema_and_gbnf_grammar(tools_server: ServerProc
         r = httpx.post(url, json={**base, **bad}, timeout=120)
         # llama-server's native envelope has no `param`: the message names the field.
         assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+
+
+def test_legacy_completions_take_response_format(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model="default",
+        prompt="Person:",
+        max_tokens=200,
+        seed=13,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON},
+            }
+        },
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
