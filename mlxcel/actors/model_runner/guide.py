@@ -52,8 +52,6 @@ class GuideKit:
         self.eos = eos_token_ids[0] if eos_token_ids else 0
         self.think = think
         ids = mx.arange(vocab_size, dtype=mx.uint32)
-        self._word = ids // 32
-        self._shift = ids % 32
         self._ids = ids
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llguidance-tok")
         self._ll = pool.submit(_ll_tokenizer, hf_tokenizer, vocab_size, eos_token_ids)
@@ -64,9 +62,10 @@ class GuideKit:
         return self._ll.result()
 
     def unpack(self, bitmask: np.ndarray) -> mx.array:
-        """[W] int32 words -> [V] bool allowed."""
-        words = mx.array(bitmask.view(np.uint32))
-        return ((words[self._word] >> self._shift) & 1).astype(mx.bool_)
+        """[W] int32 words -> [V] bool allowed (numpy's unpackbits on the host is ~5x faster
+        than gathering and shifting the words on the device here)."""
+        bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return mx.array(bits.astype(np.bool_))
 
     def only(self, token: int) -> mx.array:
         return self._ids == token
