@@ -6,6 +6,7 @@ from __future__ import annotations
 # Before anything imports mlx.core: loads OpenBLAS with RTLD_GLOBAL (see mlxcel/models/blas.py).
 import mlxcel.models  # noqa: F401  isort: skip
 
+import concurrent.futures
 import json
 from typing import Any
 
@@ -87,6 +88,13 @@ def test_a_token_the_grammar_refuses_fails_the_row_with_eos(kit: GuideKit) -> No
 
 
 def test_a_failed_row_leaves_the_batch_and_is_reported(tiny_model_dir: Any) -> None:
+    # A backend lives on its own thread, as under the model runner: closing it releases that
+    # thread's mlx streams, which must not be the test runner's.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(_fail_one_row, tiny_model_dir).result()
+
+
+def _fail_one_row(tiny_model_dir: Any) -> None:
     from mlxcel.actors.model_runner.mlx_backend import MlxBackend
     from mlxcel.models.loader import load_model
     from mlxcel.models.resolve import resolve_model
