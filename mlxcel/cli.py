@@ -278,6 +278,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         choices=["cls", "mean", "max", "lasttoken"],
         help="override the embedder's pooling",
     )
+    opt(
+        "--reasoning-budget",
+        env="LLAMA_ARG_THINK_BUDGET",
+        type=int,
+        default=d.reasoning_budget,
+        help="default thinking budget in tokens: -1 unlimited, 0 no thinking, N cap",
+    )
     g = d.sampling
     for flags, env, kind, default, what in (
         (("--temp",), "TEMP", float, g.temperature, "temperature"),
@@ -463,6 +470,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--conversation-store-max-entries": args.conversation_store_max_entries >= 0,
         "--conversation-store-max-bytes": args.conversation_store_max_bytes >= 0,
         "--conversation-store-ttl-secs": args.conversation_store_ttl_secs >= 0,
+        "--reasoning-budget": args.reasoning_budget >= -1,
     }
     for flag, ok in checks.items():
         if not ok:
@@ -508,6 +516,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         conversation_store_max_entries=args.conversation_store_max_entries,
         conversation_store_max_bytes=args.conversation_store_max_bytes,
         conversation_store_ttl_secs=args.conversation_store_ttl_secs,
+        reasoning_budget=args.reasoning_budget,
     )
 
 

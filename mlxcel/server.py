@@ -129,6 +129,7 @@ async def serve(
             n_predict=settings.n_predict,
             inbox=submit_rx,
             outbox=tokenized_tx,
+            tool_format=tool_format,
         )
         await root.start(tokenizer.run)
         gate = Admission if side.generation else GenerationDisabled

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import attrs
 
-from mlxcel.runtime import messages
+# This checkout's package, not whichever mlxcel the interpreter has installed (a shared venv).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlxcel.runtime import messages  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "reference" / "messages.md"
 

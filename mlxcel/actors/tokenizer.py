@@ -12,7 +12,9 @@ from typing import Any, assert_never
 
 import trio
 
+from mlxcel.actors import grammars
 from mlxcel.actors.reasoning import ReasoningFormat
+from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
     ChatPrompt,
@@ -36,8 +38,11 @@ class TokenizerActor:
         n_predict: int,
         inbox: trio.MemoryReceiveChannel[Submit],
         outbox: trio.MemorySendChannel[Tokenized],
+        tool_format: ToolFormat | None = None,
     ) -> None:
         self._tok = tokenizer
+        self._tool_format = tool_format
+        self._special: dict[str, int] | None = None
         self._reasoning = reasoning
         self._ctx = context_length
         self._n_predict = n_predict
@@ -56,6 +61,11 @@ class TokenizerActor:
                 tokens = await trio.to_thread.run_sync(self.encode, sub.request)
                 max_tokens = self.budget(sub.request, len(tokens))
                 opened = self._opens_reasoning(tokens)
+                grammar = (
+                    await trio.to_thread.run_sync(self.grammar, sub.request)
+                    if sub.request.constraint is not None
+                    else None
+                )
             except MlxcelError as error:
                 sub.slot.fail(error)
                 sub.slot.reservation.release()
@@ -67,8 +77,19 @@ class TokenizerActor:
                 continue
             sub.slot.accept(len(tokens))
             await self._outbox.send(
-                Tokenized(sub.request, sub.slot, tuple(tokens), max_tokens, opened)
+                Tokenized(sub.request, sub.slot, tuple(tokens), max_tokens, opened, grammar)
             )
+
+    def grammar(self, request: GenerationRequest) -> str | None:
+        """The llguidance grammar for the request's constraint (InvalidRequest: a 400)."""
+        if request.constraint is None:
+            return None
+        if self._special is None:
+            self._special = grammars.special_tokens(self._tok)
+        tools = request.prompt.tools if isinstance(request.prompt, ChatPrompt) else None
+        return grammars.grammar_for(
+            request.constraint, tools=tools, tool_format=self._tool_format, special=self._special
+        )
 
     def _opens_reasoning(self, tokens: list[int]) -> bool:
         if self._reasoning is None:

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response
 
-from mlxcel.http import logprobs, sse
+from mlxcel.http import logprobs, sse, structured_wire
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import read_json, start_generation
@@ -53,6 +53,12 @@ class NativeCompletionBody(SamplingFields):
     n_probs: int | None = None
     id_slot: int | None = None
     model: str | None = None
+    json_schema: Any = None
+    grammar: Any = None
+    thinking_budget_tokens: Any = None
+    reasoning_budget_tokens: Any = None
+    thinking_token_budget: Any = None
+    thinking_budget: Any = None
 
 
 @attrs.frozen(kw_only=True)
@@ -91,6 +97,11 @@ def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
         ignore_eos=bool(body.ignore_eos),
         cache_key=None if body.cache_prompt is False else "",
         logprobs=body.n_probs if body.n_probs else None,
+        constraint=structured_wire.native_constraint(body.json_schema, body.grammar),
+        thinking_budget=structured_wire.thinking_budget(
+            {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS},
+            ctx.settings.reasoning_budget,
+        ),
     )
 
 

@@ -142,7 +142,12 @@ def _stream(
 async def chat_completions() -> Response:
     ctx = server()
     require_generation(ctx.generation)
-    body, gen = chat_request(await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer))
+    body, gen = chat_request(
+        await read_json(),
+        ctx.settings.sampling,
+        len(ctx.info.tokenizer),
+        reasoning_budget=ctx.settings.reasoning_budget,
+    )
     model = ctx.check_model(body.model)
     if gen.parse_tools and ctx.tool_format is None:
         raise InvalidRequest(

@@ -8,11 +8,13 @@ from typing import Any
 
 import attrs
 
+from mlxcel.http import structured_wire
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
 from mlxcel.runtime.messages import (
     ChatPrompt,
+    ForcedToolCall,
     GenerationRequest,
     Prompt,
     SamplingParams,
@@ -62,6 +64,11 @@ class ChatCompletionBody(SamplingFields):
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     chat_template_kwargs: Any = None
+    response_format: Any = None
+    thinking_budget_tokens: Any = None
+    reasoning_budget_tokens: Any = None
+    thinking_token_budget: Any = None
+    thinking_budget: Any = None
 
 
 @attrs.frozen(kw_only=True)
@@ -79,6 +86,7 @@ class CompletionBody(SamplingFields):
     cache_prompt: bool | None = None
     prompt_cache_key: str | None = None
     logprobs: int | None = None
+    response_format: Any = None
 
 
 def new_id(prefix: str) -> str:
@@ -184,13 +192,19 @@ def _first(*values: int | None) -> int | None:
 
 
 def chat_request(
-    data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
+    data: Any,
+    defaults: SamplingParams = PLAIN_SAMPLING,
+    vocab_size: int | None = None,
+    reasoning_budget: int = -1,
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(data, ChatCompletionBody)
     max_tokens = _first(body.max_completion_tokens, body.max_tokens, body.n_predict)
     if max_tokens is not None and max_tokens < 0:
         max_tokens = None  # llama.cpp's n_predict -1: until end of sequence or context
-    tools, parse_tools = _tools(body)
+    tools, parse_tools, forced = _tools(body)
+    constraint = structured_wire.combine(
+        structured_wire.response_format(body.response_format), forced
+    )
     request = GenerationRequest(
         request_id=new_id("chatcmpl"),
         prompt=ChatPrompt(
@@ -205,6 +219,10 @@ def chat_request(
         cache_key=cache_key(body),
         logprobs=_chat_logprobs(body),
         n=_n(body.n),
+        constraint=constraint,
+        thinking_budget=structured_wire.thinking_budget(
+            {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS}, reasoning_budget
+        ),
     )
     return body, request
 
@@ -234,12 +252,15 @@ def _template_kwargs(body: ChatCompletionBody) -> tuple[tuple[str, object], ...]
 MAX_TOOLS = 128
 
 
-def _tools(body: ChatCompletionBody) -> tuple[tuple[dict[str, object], ...] | None, bool]:
-    """The function tools for the template, and whether to parse calls out of the output."""
+def _tools(
+    body: ChatCompletionBody,
+) -> tuple[tuple[dict[str, object], ...] | None, bool, ForcedToolCall | None]:
+    """The function tools for the template, whether to parse calls out of the output, and the
+    call that tool_choice forces (constrained decoding), if any."""
     if body.tools is None:
         if body.tool_choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
-        return None, False
+        return None, False, None
     if not isinstance(body.tools, list):
         raise InvalidRequest("tools must be a list", param="tools")
     if len(body.tools) > MAX_TOOLS:
@@ -250,14 +271,11 @@ def _tools(body: ChatCompletionBody) -> tuple[tuple[dict[str, object], ...] | No
             raise InvalidRequest("only function tools are supported", param=f"tools[{i}].type")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequest("a function tool needs a name", param=f"tools[{i}].function.name")
-    choice = "auto" if body.tool_choice is None else body.tool_choice
-    if choice not in ("auto", "none"):
-        # "required" and a named tool must be enforced, which needs constrained decoding.
-        raise UnsupportedField(
-            "tool_choice",
-            "only 'auto' and 'none' are supported (forcing a call needs constrained decoding)",
-        )
-    return tuple(body.tools), choice == "auto"
+    names = [t["function"]["name"] for t in body.tools]
+    parse, forced = structured_wire.tool_choice(
+        body.tool_choice, names, parallel=body.parallel_tool_calls
+    )
+    return tuple(body.tools), parse, forced
 
 
 def _chat_logprobs(body: ChatCompletionBody) -> int | None:
@@ -296,6 +314,7 @@ def completion_request(
         cache_key=cache_key(body),
         logprobs=body.logprobs,
         n=_n(body.n),
+        constraint=structured_wire.response_format(body.response_format),
     )
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")

@@ -110,7 +110,15 @@ class ForcedToolCall:
     parallel: bool = True
 
 
-Constraint = JsonSchemaFormat | JsonObjectFormat | ForcedToolCall
+@attrs.frozen(kw_only=True)
+class LarkGrammar:
+    """Constrain the output to a grammar in llguidance's Lark syntax (llama-server's `grammar`
+    field, GBNF converted at the HTTP boundary)."""
+
+    lark: str
+
+
+Constraint = JsonSchemaFormat | JsonObjectFormat | ForcedToolCall | LarkGrammar
 
 
 @attrs.frozen(kw_only=True)
@@ -170,6 +178,8 @@ class Tokenized:
     max_tokens: int
     # The rendered prompt leaves a thinking block open (the output starts inside reasoning).
     reasoning_open: bool = False
+    # The request's constraint compiled to an llguidance grammar (off the compute thread).
+    grammar: str | None = None
 
 
 # --- scheduler -> model runner ----------------------------------------------------------------
@@ -188,6 +198,12 @@ class InsertSequence:
     logprobs: int | None = None
     # Choices (OpenAI n): the prompt is read once, then its KV cache is forked into n rows.
     n: int = 1
+    # llguidance grammar the output must match (None: unconstrained).
+    grammar: str | None = None
+    # Reasoning tokens before the end-of-thinking marker is forced (None: unlimited).
+    thinking_budget: int | None = None
+    # The prompt leaves a thinking block open: the output starts inside reasoning.
+    reasoning_open: bool = False
 
 
 @attrs.frozen

@@ -79,6 +79,8 @@ class Settings:
     conversation_store_max_entries: int = 256
     conversation_store_max_bytes: int = 67108864
     conversation_store_ttl_secs: float = 3600.0
+    # Default thinking budget for requests that set none: -1 unlimited, 0 none, N tokens.
+    reasoning_budget: int = -1
 
     @property
     def cache_enabled(self) -> bool:

@@ -302,15 +302,25 @@ async def test_tool_choice_none_leaves_the_text_alone(smollm_tokenizer: Any) -> 
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_forced_tool_choice_is_a_400_naming_the_field(smollm_tokenizer: Any) -> None:
+async def test_bad_tool_choice_is_a_400_naming_the_field(smollm_tokenizer: Any) -> None:
     async with scripted(smollm_tokenizer, CALL) as (client, _):
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for choice in (
+            {"type": "function", "function": {"name": "get_time"}},  # not among the tools
+            {"type": "function"},
+            "always",
+        ):
             r = await client.post(
                 "/v1/chat/completions", json=chat(tools=WEATHER, tool_choice=choice)
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
         bad = await client.post("/v1/chat/completions", json=chat(tools=[{"type": "web_search"}]))
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[0].type"
+        # A tool whose parameters llguidance cannot compile fails before any generation.
+        broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]
+        r = await client.post(
+            "/v1/chat/completions", json=chat(tools=broken, tool_choice="required")
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 async def test_reasoning_is_split_the_same_way_streamed_and_not(smollm_tokenizer: Any) -> None:

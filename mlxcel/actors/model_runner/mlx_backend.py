@@ -19,7 +19,9 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
+from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
+from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.models.loader import LoadedModel, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -83,6 +85,9 @@ class MlxBackend:
         self._logprobs: dict[int, int] = {}
         # Rows reading a prompt for a request with more choices to fork once it is read.
         self._forks: dict[int, InsertSequence] = {}
+        # Per row with a grammar or a thinking budget (each choice has its own).
+        self._guides: dict[int, Guide] = {}
+        self._kit = _guide_kit(loaded, self._encode, self._vocab_size)
         self._cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_enabled else None
 
     def warmup(self) -> float:
@@ -109,10 +114,13 @@ class MlxBackend:
             return StepOutput(cached=cached, cache=self._stats())
 
         prompt_responses, generation_responses = self._gen.next()
+        errors = self._failed_guides(generation_responses) if self._guides else ()
         scored = self._score(generation_responses) if self._logprobs else {}
         tokens = []
         for r in generation_responses:
-            rid = self._rid_by_uid[r.uid]
+            rid = self._rid_by_uid.get(r.uid)
+            if rid is None:  # its request failed by a guide just now
+                continue
             lp, top = scored.get(r.uid, (None, ()))
             choice = self._choice_by_uid[r.uid]
             tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top, choice))
@@ -130,7 +138,26 @@ class MlxBackend:
         )
         if self._forks:
             self._fork(prompt_responses)
-        return StepOutput(tokens=tuple(tokens), prefill=prefill, cached=cached, cache=self._stats())
+        return StepOutput(
+            tokens=tuple(tokens), prefill=prefill, errors=errors, cached=cached, cache=self._stats()
+        )
+
+    def _failed_guides(self, responses: list[Any]) -> tuple[tuple[str, str], ...]:
+        """Requests with a row whose matcher failed: every row of theirs leaves the batch, and
+        the request is reported as failed."""
+        failed: dict[str, str] = {}
+        for r in responses:
+            guide = self._guides.get(r.uid)
+            if guide is not None and guide.error is not None:
+                failed.setdefault(self._rid_by_uid[r.uid], guide.error)
+        if failed:
+            done = {r.uid for r in responses if r.finish_reason is not None}
+            live = [u for rid in failed for u in self._uids_by_rid[rid] if u not in done]
+            for rid in failed:
+                for uid in list(self._uids_by_rid[rid]):
+                    self._forget(uid)
+            self._gen.remove(live)
+        return tuple(failed.items())
 
     def _score(
         self, responses: list[Any]
@@ -192,6 +219,17 @@ class MlxBackend:
             )
             for r in rows
         ]
+        guides = [
+            self._kit.guide(
+                grammar=r.seq.grammar,
+                budget=r.seq.thinking_budget,
+                reasoning_open=r.seq.reasoning_open,
+            )
+            for r in rows
+        ]
+        for (processors, _), guide in zip(chains, guides, strict=True):
+            if guide is not None:  # last: it masks what the other processors produced
+                processors.append(guide)
         uids: list[int] = self._gen.insert(
             [r.prompt for r in rows],
             max_tokens=[r.seq.max_tokens for r in rows],
@@ -204,7 +242,9 @@ class MlxBackend:
             logits_processors=[processors for processors, _ in chains],
             stop_sequences=[self._no_stop if r.seq.ignore_eos else self._eos_stop for r in rows],
         )
-        for uid, r in zip(uids, rows, strict=True):
+        for uid, r, guide in zip(uids, rows, guides, strict=True):
+            if guide is not None:
+                self._guides[uid] = guide
             rid = r.seq.request_id
             self._rid_by_uid[uid] = rid
             self._choice_by_uid[uid] = r.choice
@@ -228,6 +268,7 @@ class MlxBackend:
         rid = self._rid_by_uid.pop(uid)
         del self._choice_by_uid[uid]
         self._logprobs.pop(uid, None)
+        self._guides.pop(uid, None)
         self._forks.pop(uid, None)
         uids = self._uids_by_rid[rid]
         uids.remove(uid)
@@ -255,3 +296,14 @@ class MlxBackend:
         self._gen.close()
         mx.clear_cache()
         release_thread_streams()
+
+
+def _guide_kit(loaded: LoadedModel, encode: Any, vocab_size: int) -> GuideKit:
+    fmt = detect_reasoning(loaded.chat_template)
+    think = (tuple(encode(fmt.start)), tuple(encode(fmt.end))) if fmt is not None else None
+    return GuideKit(
+        loaded.tokenizer,
+        vocab_size=vocab_size,
+        eos_token_ids=sorted(loaded.eos_token_ids),
+        think=think,
+    )

@@ -156,6 +156,9 @@ def plan(
             cache_key=item.request.cache_key,
             logprobs=item.request.logprobs,
             n=item.request.n,
+            grammar=item.grammar,
+            thinking_budget=item.request.thinking_budget,
+            reasoning_open=item.reasoning_open,
         )
         for item in started
     )

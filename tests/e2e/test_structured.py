@@ -1,0 +1,396 @@
+"""Structured output, forced tool calls and the thinking budget, end to end.
+
+The official openai SDK (strict response validation) against `mlxcel serve` with a tiny
+random-weight model: random weights would never write valid JSON on their own, so output that
+parses and validates shows the grammar constraint at work. Schemas keep strings short
+(maxLength) so the random model finishes them well within max_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.support.templates import QWEN_THINKING, QWEN_TOOLS
+from tests.support.tiny_model import build_tiny_model
+
+ASK: list[Any] = [{"role": "user", "content": "Describe a person."}]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["happy", "sad"]},
+    },
+    "required": ["name", "age", "mood"],
+    "additionalProperties": False,
+}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+class GetWeather(pydantic.BaseModel):
+    """Weather for a city."""
+
+    city: str = pydantic.Field(max_length=10)
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model = build_tiny_model(tmp_path_factory.mktemp("qwen") / "qwen", chat_template=QWEN_TOOLS)
+    server = ServerProcess(["-m", str(model), "--parallel", "4"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tools_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with _client(tools_server) as c:
+        yield c
+
+
+def test_json_schema_output_validates(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=200,
+        seed=1,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content is not None
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_streamed_json_schema_output_is_the_same_json(client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    kw: dict[str, Any] = {"model": "default", "messages": ASK, "max_tokens": 200, "seed": 12}
+    whole = client.chat.completions.create(response_format=fmt, **kw)
+    chunks = list(client.chat.completions.create(response_format=fmt, stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    r = client.chat.completions.parse(
+        model="default", messages=ASK, max_tokens=200, seed=2, response_format=Person
+    )
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Person)
+    assert 0 <= parsed.age <= 120 and len(parsed.name) <= 8
+
+
+def test_json_object_output_is_an_object(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=200,
+        seed=3,
+        response_format={"type": "json_object"},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(json.loads(choice.message.content or ""), dict)
+
+
+def _check_calls(calls: Any, names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_yields_valid_calls(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=300,
+        seed=4,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.tool_calls is not None and len(choice.message.tool_calls) == 1
+    _check_calls(choice.message.tool_calls, set(SCHEMAS))
+
+
+def test_named_tool_choice_calls_that_tool(client: openai.OpenAI) -> None:
+    for seed in (5, 6):
+        r = client.chat.completions.create(
+            model="default",
+            messages=ASK,
+            max_tokens=300,
+            seed=seed,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls, {"get_time"})
+
+
+def test_stream_helper_accumulates_forced_tool_calls(client: openai.OpenAI) -> None:
+    with client.chat.completions.stream(
+        model="default",
+        messages=ASK,
+        max_tokens=300,
+        seed=7,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+    ) as stream:
+        done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    assert len(done) == len(choice.message.tool_calls)
+    for call in choice.message.tool_calls:
+        assert call.function.name == "GetWeather"
+        assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_constrained_and_free_requests_share_the_batch(tools_server: ServerProcess) -> None:
+    async def both() -> tuple[Any, Any]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{tools_server.base_url}/v1", api_key="unused", max_retries=0
+        ) as aclient:
+            return await asyncio.gather(
+                aclient.chat.completions.create(
+                    model="default",
+                    messages=ASK,
+                    max_tokens=200,
+                    seed=8,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "person", "schema": PERSON},
+                    },
+                ),
+                aclient.chat.completions.create(
+                    model="default",
+                    messages=ASK,
+                    max_tokens=60,
+                    seed=8,
+                    extra_body={"ignore_eos": True},
+                ),
+            )
+
+    constrained, free = asyncio.run(both())
+    jsonschema.validate(json.loads(constrained.choices[0].message.content), PERSON)
+    assert free.choices[0].finish_reason == "length"
+    assert free.usage.completion_tokens == 60
+    # Unconstrained random weights do not happen to write JSON.
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+
+
+def test_invalid_requests_are_400s_naming_the_field(client: openai.OpenAI) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "bad", "schema": {"type": "objekt"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "person", "schema": PERSON},
+                },
+            },
+            "response_format",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"extra_body": {"thinking_budget_tokens": -2}}, "thinking_budget_tokens"),
+        ({"extra_body": {"reasoning_budget_tokens": "many"}}, "reasoning_budget_tokens"),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="default", messages=ASK, max_tokens=5, **extra)
+        assert info.value.param == param, extra
+
+
+# --- thinking budget -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model = build_tiny_model(
+        tmp_path_factory.mktemp("qwen3") / "qwen3", chat_template=QWEN_THINKING
+    )
+    server = ServerProcess(["-m", str(model), "--parallel", "4"])
+    yield server
+    server.stop()
+
+
+def _think(client: openai.OpenAI, budget: int) -> tuple[int | None, str, str]:
+    """(tokens generated before the end-of-thinking marker or None, reasoning, answer)."""
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=60,
+        seed=9,
+        logprobs=True,
+        extra_body={"thinking_budget_tokens": budget, "ignore_eos": True},
+    )
+    choice = r.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    pieces = [e.token for e in choice.logprobs.content]
+    ends = [i for i in range(len(pieces)) if "".join(pieces[i:]).startswith("</think>")]
+    message = choice.message.model_dump()
+    return (
+        ends[0] if ends else None,
+        message.get("reasoning_content") or "",
+        message["content"] or "",
+    )
+
+
+@pytest.fixture(scope="module")
+def thinking_client(thinking_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with _client(thinking_server) as c:
+        yield c
+
+
+def test_thinking_budget_caps_the_reasoning(thinking_client: openai.OpenAI) -> None:
+    client = thinking_client
+    closed, unlimited, answer = _think(client, -1)
+    # Unbounded, random weights never close the block within 60 tokens.
+    assert closed is None and unlimited and not answer
+    closed, reasoning, answer = _think(client, 5)
+    # The same seed draws the same first five tokens; then the marker is forced.
+    assert closed == 5 and unlimited.startswith(reasoning) and reasoning
+    assert answer.strip(), "no answer after the forced end of thinking"
+    closed, reasoning, answer = _think(client, 0)
+    assert closed == 0 and reasoning == "" and answer.strip()
+
+
+def test_json_schema_starts_after_thinking(thinking_client: openai.OpenAI) -> None:
+    r = thinking_client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=300,
+        seed=10,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        extra_body={"thinking_budget_tokens": 8},
+    )
+    message = r.choices[0].message.model_dump()
+    assert message.get("reasoning_content")
+    jsonschema.validate(json.loads(message["content"]), PERSON)
+
+
+def test_server_default_budget_flag(tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "qwen3", chat_template=QWEN_THINKING)
+    server = ServerProcess(["-m", str(model), "--reasoning-budget", "0"])
+    try:
+        with _client(server) as client:
+            closed, _, _ = _think(client, -1)
+            r = client.chat.completions.create(model="default", messages=ASK, max_tokens=20, seed=9)
+        assert closed is None  # the request's -1 wins over the flag
+        assert not r.choices[0].message.model_dump().get("reasoning_content")
+        assert r.choices[0].message.content
+    finally:
+        server.stop()
+
+
+def test_native_completion_json_schema_and_gbnf_grammar(tools_server: ServerProcess) -> None:
+    url = f"{tools_server.base_url}/completion"
+    base = {"prompt": "Answer:", "n_predict": 200, "seed": 11}
+    r = httpx.post(url, json={**base, "json_schema": PERSON}, timeout=120)
+    assert r.status_code == 200
+    jsonschema.validate(json.loads(r.json()["content"]), PERSON)
+    gbnf = 'root ::= answer " " answer\nanswer ::= "yes" | "no"'
+    r = httpx.post(url, json={**base, "grammar": gbnf}, timeout=120)
+    assert r.status_code == 200 and r.json()["stop_type"] == "eos"
+    assert r.json()["content"] in {f"{a} {b}" for a in ("yes", "no") for b in ("yes", "no")}
+    for bad, param in (
+        ({"grammar": 'root ::= "unclosed'}, "grammar"),
+        ({"json_schema": {"type": "objekt"}}, "json_schema"),
+        ({"json_schema": PERSON, "grammar": gbnf}, "grammar"),
+    ):
+        r = httpx.post(url, json={**base, **bad}, timeout=120)
+        # llama-server's native envelope has no `param`: the message names the field.
+        assert r.status_code == 400 and param in r.json()["error"]["message"], r.text
+
+
+def test_legacy_completions_take_response_format(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model="default",
+        prompt="Person:",
+        max_tokens=200,
+        seed=13,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON},
+            }
+        },
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)

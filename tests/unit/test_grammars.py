@@ -1,0 +1,147 @@
+"""Grammar builders per tool-call format, the wire helpers, and the per-row guide.
+
+Each forced-call grammar must accept what the model family really writes (and what our parser
+reads back as calls), and refuse a wrong tool name or a second call when only one is allowed.
+Matching runs on llguidance with the real SmolLM2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance.hf
+import pytest
+from llguidance import LLMatcher, LLTokenizer
+
+from mlxcel.actors import grammars
+from mlxcel.actors.toolcalls import ToolFormat, parse_complete
+from mlxcel.http import structured_wire
+from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.messages import ForcedToolCall, JsonObjectFormat, JsonSchemaFormat
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "units": {"enum": ["C", "F"]},
+    },
+    "required": ["city", "days"],
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now"}},
+]
+BOTH = ForcedToolCall(names=("get_weather", "now"))
+ONE = ForcedToolCall(names=("get_weather", "now"), parallel=False)
+
+# What each family writes for two calls (the first alone for the single-call cases).
+TWO_CALLS = {
+    ToolFormat.HERMES: (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+        "</tool_call>",
+        '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+    ),
+    ToolFormat.LLAMA3_JSON: (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}',
+        '; {"name": "now", "parameters": {}}',
+    ),
+    ToolFormat.PYTHONIC: ('[get_weather(city="Paris", days=3)', ", now()]"),
+}
+
+
+@pytest.fixture(scope="module")
+def ll(smollm_tokenizer: Any) -> LLTokenizer:
+    return llguidance.hf.from_tokenizer(smollm_tokenizer, n_vocab=49152, eos_token=2)
+
+
+def _accepts(ll: LLTokenizer, tok: Any, grammar: str, text: str) -> bool:
+    matcher = LLMatcher(ll, grammar, log_level=0)
+    ok = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+    return bool(ok) and matcher.is_accepting()
+
+
+def _grammar(forced: ForcedToolCall, fmt: ToolFormat, special: Any = None) -> str:
+    return grammars.grammar_for(forced, tools=TOOLS, tool_format=fmt, special=special or {})
+
+
+@pytest.mark.parametrize("fmt", list(TWO_CALLS))
+def test_forced_call_grammar_accepts_the_family_syntax(
+    fmt: ToolFormat, ll: LLTokenizer, smollm_tokenizer: Any
+) -> None:
+    first, second = TWO_CALLS[fmt]
+    closing = "]" if fmt is ToolFormat.PYTHONIC else ""
+    single, double = first + closing, first + second
+    assert _accepts(ll, smollm_tokenizer, _grammar(BOTH, fmt), double)
+    assert _accepts(ll, smollm_tokenizer, _grammar(ONE, fmt), single)
+    assert not _accepts(ll, smollm_tokenizer, _grammar(ONE, fmt), double)
+    # ... and what the grammar lets through is what the parser reads as calls.
+    content, calls = parse_complete(fmt, double)
+    assert content is None and [c.name for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "days": 3}
+
+
+def test_mistral_grammar_accepts_a_call_array(ll: LLTokenizer, smollm_tokenizer: Any) -> None:
+    text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}]'
+    assert _accepts(ll, smollm_tokenizer, _grammar(ONE, ToolFormat.MISTRAL), text)
+    two = text[:-1] + ', {"name": "now", "arguments": {}}]'
+    assert _accepts(ll, smollm_tokenizer, _grammar(BOTH, ToolFormat.MISTRAL), two)
+    assert not _accepts(ll, smollm_tokenizer, _grammar(ONE, ToolFormat.MISTRAL), two)
+
+
+def test_arguments_follow_the_tool_schema(ll: LLTokenizer, smollm_tokenizer: Any) -> None:
+    g = _grammar(ONE, ToolFormat.HERMES)
+    for bad in (
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',  # days is required
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}',
+        '{"name": "get_time", "arguments": {}}',  # not a forced name
+    ):
+        assert not _accepts(ll, smollm_tokenizer, g, f"<tool_call>\n{bad}\n</tool_call>")
+
+
+def test_special_token_markers_are_matched_as_tokens() -> None:
+    lark = grammars.tool_call_lark(ONE, TOOLS, ToolFormat.HERMES, {"<tool_call>": 151657})
+    assert lark.startswith("start: call\ncall: <[151657]>") and '"</tool_call>"' in lark
+    lark = grammars.tool_call_lark(ONE, TOOLS, ToolFormat.MISTRAL, {"[TOOL_CALLS]": 5})
+    assert lark.startswith("start: <[5]> calls")
+
+
+def test_json_formats_compile_and_bad_schemas_are_named() -> None:
+    kw: dict[str, Any] = {"tools": None, "tool_format": None, "special": {}}
+    assert grammars.grammar_for(JsonObjectFormat(), **kw)
+    assert grammars.grammar_for(JsonSchemaFormat(schema_json=json.dumps(WEATHER)), **kw)
+    for bad in ('{"type": "objekt"}', "[1]", "{"):
+        with pytest.raises(InvalidRequest) as info:
+            grammars.grammar_for(JsonSchemaFormat(schema_json=bad), **kw)
+        assert info.value.param == "response_format"
+    with pytest.raises(InvalidRequest) as info:
+        grammars.grammar_for(
+            ForcedToolCall(names=("nope",)), tools=TOOLS, tool_format=ToolFormat.HERMES, special={}
+        )
+    assert info.value.param == "tool_choice"
+
+
+def test_wire_tool_choice_and_combination() -> None:
+    names = ["get_weather", "now"]
+    assert structured_wire.tool_choice(None, names, parallel=None) == (True, None)
+    assert structured_wire.tool_choice("none", names, parallel=None) == (False, None)
+    assert structured_wire.tool_choice("required", names, parallel=False) == (True, ONE)
+    named = {"type": "function", "function": {"name": "now"}}
+    parse, forced = structured_wire.tool_choice(named, names, parallel=True)
+    assert parse and forced == ForcedToolCall(names=("now",), parallel=False)
+    with pytest.raises(InvalidRequest):
+        structured_wire.combine(JsonObjectFormat(), BOTH)
+    assert structured_wire.combine(None, BOTH) is BOTH
+
+
+def test_budget_aliases_and_server_default() -> None:
+    budget = structured_wire.thinking_budget
+    assert budget({}, -1) is None and budget({}, 7) == 7
+    assert budget({"thinking_budget": 0}, -1) == 0
+    assert budget({"reasoning_budget_tokens": 12, "thinking_budget": 3}, -1) == 12
+    assert budget({"thinking_token_budget": -1}, 5) is None
+    for bad in (-2, 1.5, True, "3"):
+        with pytest.raises(InvalidRequest) as info:
+            budget({"thinking_budget_tokens": bad}, -1)
+        assert info.value.param == "thinking_budget_tokens"
