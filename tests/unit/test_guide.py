@@ -121,7 +121,8 @@ def _fail_one_row(tiny_model_dir: Any) -> None:
         assert seen["json"] and seen["free"]
         # Stand in for an llguidance failure (resource limits, an internal error): the row
         # must fail alone, reported once, while the batch goes on.
-        backend._guides["json"].fail("simulated")
+        (uid,) = backend._uids_by_rid["json"]
+        backend._guides[uid].fail("simulated")
         out = backend.apply(StepPlan())
         assert out.errors == (("json", "Constrained decoding failed: simulated"),)
         assert [t.request_id for t in out.tokens] == ["free"]
