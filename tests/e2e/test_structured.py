@@ -114,6 +114,25 @@ def test_json_schema_output_validates(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
+def test_every_choice_of_n_follows_the_schema(client: openai.OpenAI) -> None:
+    # Each of the n rows forked from one prefill carries its own matcher.
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=200,
+        n=2,
+        seed=3,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+
+
 def test_streamed_json_schema_output_is_the_same_json(client: openai.OpenAI) -> None:
     fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     kw: dict[str, Any] = {"model": "default", "messages": ASK, "max_tokens": 200, "seed": 12}
