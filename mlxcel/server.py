@@ -18,6 +18,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from mlxcel.actors.admission import Admission
+from mlxcel.actors.audio.start import start_audio
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
 from mlxcel.actors.reasoning import detect_reasoning
@@ -91,6 +92,8 @@ async def serve(
     async with trio.open_nursery() as root:
         # Embedding / rerank workers; with -m <embedder> the chat model runner never starts.
         side = await start_side_models(root, settings, detect=build_backend is None)
+        # Speech-to-text / text-to-speech workers: ready at once, models load on first use.
+        audio = await start_audio(root, settings)
         info: ModelInfo = (
             await root.start(ModelRunner(build, plans_rx, outputs_tx).run)
             if side.generation
@@ -146,6 +149,8 @@ async def serve(
             scheduler_tx=tokenized_tx.clone(),
             metrics=metrics,
             tool_format=tool_format,
+            stt=audio.stt,
+            tts=audio.tts,
         )
         metrics.live.running = lambda: scheduler.running
         metrics.live.waiting = lambda: scheduler.waiting

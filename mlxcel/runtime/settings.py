@@ -71,6 +71,12 @@ class Settings:
     metrics_endpoint: bool = False
     slots_endpoint: bool = True
     props_endpoint: bool = False
+    # Audio workers (speech-to-text, text-to-speech): None = the packaged defaults, "none" = off.
+    audio: bool = True
+    stt_model: str | None = None
+    tts_model: str | None = None
+    audio_queue_depth: int = 8
+    audio_request_timeout_secs: float = 120.0
 
     @property
     def cache_enabled(self) -> bool:
