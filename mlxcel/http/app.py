@@ -8,7 +8,7 @@ from quart import Response, current_app, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from mlxcel.http import completion, embeddings, health, native, openai, ops, security
+from mlxcel.http import audio, completion, embeddings, health, native, openai, ops, security
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
@@ -25,6 +25,8 @@ NATIVE_BLUEPRINTS = frozenset({"native", "native_completion", "ops", "health", "
 
 def create_app(ctx: ServerContext) -> QuartTrio:
     app = QuartTrio("mlxcel")
+    # The audio upload routes take 25 MiB bodies whatever --max-request-bytes says.
+    app.request_class = audio.AudioUploadRequest
     app.config["MLXCEL"] = ctx
     # Streams last as long as generation does: Quart's 60 s response/body timeouts would cut
     # them silently. Idle sockets are Hypercorn's business (keep-alive timeout).
@@ -42,6 +44,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(completion.bp, url_prefix=prefix)
     app.register_blueprint(openai.bp, url_prefix=prefix)
     app.register_blueprint(embeddings.bp, url_prefix=prefix)
+    app.register_blueprint(audio.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:
