@@ -315,6 +315,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=d.audio_request_timeout_secs,
         help="seconds an audio request may wait for its result (or next sentence) before a 504",
     )
+    opt(
+        "--realtime-max-sessions",
+        env="MLXCEL_REALTIME_MAX_SESSIONS",
+        type=int,
+        default=d.realtime_max_sessions,
+        help="realtime voice WebSocket sessions open at once; more get server_busy and close 1013",
+    )
     g = d.sampling
     for flags, env, kind, default, what in (
         (("--temp",), "TEMP", float, g.temperature, "temperature"),
@@ -451,6 +458,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--embd-normalize": args.embd_normalize >= -1,
         "--audio-queue-depth": args.audio_queue_depth >= 1,
         "--audio-request-timeout-secs": args.audio_request_timeout_secs > 0,
+        "--realtime-max-sessions": args.realtime_max_sessions >= 1,
     }
     for flag, ok in checks.items():
         if not ok:
@@ -495,6 +503,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         tts_model=args.tts_model,
         audio_queue_depth=args.audio_queue_depth,
         audio_request_timeout_secs=args.audio_request_timeout_secs,
+        realtime_max_sessions=args.realtime_max_sessions,
     )
 
 

@@ -66,6 +66,8 @@ def hypercorn_config(settings: Settings) -> Config:
     config.graceful_timeout = 0.5
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
+    # Realtime WebSocket messages are capped at 1 MiB (larger: close 1009).
+    config.websocket_max_message_size = 1024 * 1024
     return config
 
 

@@ -9,6 +9,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from mlxcel.http import audio, completion, embeddings, health, native, openai, ops, security
+from mlxcel.http import realtime as realtime_ws
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
@@ -45,6 +46,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(openai.bp, url_prefix=prefix)
     app.register_blueprint(embeddings.bp, url_prefix=prefix)
     app.register_blueprint(audio.bp, url_prefix=prefix)
+    app.register_blueprint(realtime_ws.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:

@@ -77,6 +77,8 @@ class Settings:
     tts_model: str | None = None
     audio_queue_depth: int = 8
     audio_request_timeout_secs: float = 120.0
+    # Realtime voice WebSocket sessions open at once (more: error server_busy, close 1013).
+    realtime_max_sessions: int = 8
 
     @property
     def cache_enabled(self) -> bool:
