@@ -7,7 +7,7 @@ import base64
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +49,20 @@ class Client:
     def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
         self.ws = ws
         self.events: list[dict[str, Any]] = []
+        # When each event arrived (trio clock), parallel to ``events``.
+        self.arrivals: list[float] = []
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send_message(json.dumps(event))
 
-    async def recv(self, timeout: float = 60) -> dict[str, Any]:
+    async def recv(self, timeout: float = 60) -> dict[str, Any]:  # noqa: ASYNC109 - per-read deadline
         with trio.fail_after(timeout):
             event: dict[str, Any] = json.loads(await self.ws.get_message())
         self.events.append(event)
+        self.arrivals.append(trio.current_time())
         return event
 
-    async def until(self, kind: str, timeout: float = 120) -> list[dict[str, Any]]:
+    async def until(self, kind: str, timeout: float = 120) -> list[dict[str, Any]]:  # noqa: ASYNC109 - per-read deadline
         """Events up to and including the first of type ``kind``."""
         seen = []
         with trio.fail_after(timeout):
@@ -76,7 +79,7 @@ class Client:
             if pace:
                 await trio.sleep(0.08 / pace)
 
-    async def closed(self, timeout: float = 60) -> int | None:
+    async def closed(self, timeout: float = 60) -> int | None:  # noqa: ASYNC109 - per-read deadline
         """Read until the server closes; return its close code."""
         with trio.fail_after(timeout):
             try:
@@ -90,7 +93,33 @@ class Client:
 async def connect(
     base_url: str, query: str = "", headers: dict[str, str] | None = None
 ) -> AsyncIterator[Client]:
-    url = base_url.replace("http://", "ws://") + "/v1/realtime" + query
+    """A WebSocket to /v1/realtime. The TCP stream is ours to close: trio-websocket's client
+    leaves it open (a ResourceWarning) when the server closes first, as ours does."""
+    host, _, port = base_url.removeprefix("http://").partition(":")
     extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
-    async with trio_websocket.open_websocket_url(url, extra_headers=extra) as ws:
-        yield Client(ws)
+    stream = await trio.open_tcp_stream(host, int(port))
+    try:
+        async with trio.open_nursery() as nursery:
+            ws = await trio_websocket.wrap_client_stream(
+                nursery, stream, host, "/v1/realtime" + query, extra_headers=extra
+            )
+            try:
+                yield Client(ws)
+            finally:
+                await ws.aclose()
+    except BaseExceptionGroup as group:
+        # One failure (a rejected handshake, a failed assertion): raise it as itself.
+        leaves = list(_leaves(group))
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+    finally:
+        await stream.aclose()
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for e in error.exceptions:
+            yield from _leaves(e)
+    else:
+        yield error

@@ -238,7 +238,13 @@ class VoiceChat(CommonEvents):
         return []
 
     def response_done(self, r: ResponseState) -> list[Event]:
-        body = {"id": r.id, "status": r.status, "text": r.text, "spoken": r.spoken}
+        body = {
+            "id": r.id,
+            "status": r.status,
+            "text": r.text,
+            "spoken": r.spoken,
+            "usage": {"input_tokens": r.input_tokens, "output_tokens": r.output_tokens},
+        }
         if r.status == "cancelled":
             return [{"type": "response.cancelled", "response": body}]
         return [{"type": "response.done", "response": body}]
