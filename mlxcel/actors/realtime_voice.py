@@ -408,6 +408,8 @@ class RealtimeSession:
             ) from None
 
     def _cancel_response(self, reason: str, *, always_report: bool = False) -> None:
+        """Stop the running answer now: its unsent audio is dropped and its end is reported
+        before anything else the session sends (so a close right after still carries it)."""
         if self._active is not None:
             r, scope = self._active
             if r.status == "in_progress":
@@ -415,11 +417,19 @@ class RealtimeSession:
                 dropped = self._out.purge(r.id)
                 if dropped:
                     r.spoken_pieces = r.spoken_pieces[: min(dropped)]
+            self._end_response(r)
             scope.cancel()
         elif always_report:
             r = ResponseState(new_id("resp"), new_id("item"), False, status="cancelled")
             r.reason = reason
             self._emit(*self._d.response_done(r))
+
+    def _end_response(self, r: ResponseState) -> None:
+        """Report a finished answer and keep what the user heard of it (once per answer)."""
+        self._active = None
+        if r.heard:
+            self._remember(Item(r.item_id, "assistant", r.heard))
+        self._emit(*self._d.response_done(r))
 
     # --- responder: transcription and answers, one job at a time ----------------------------
 
@@ -473,17 +483,17 @@ class RealtimeSession:
             self._emit(*self._d.response_created(r))
             try:
                 await self._generate(r, job)
-                r.status = "completed"
-            except MlxcelError as error:
-                r.status, r.reason = "failed", error.error_type
-                self._error("inference_error", f"answer failed: {error.message}")
-            finally:
-                self._active = None
                 if r.status == "in_progress":
-                    r.status, r.reason = "cancelled", "session_closed"
-        if r.heard:
-            self._remember(Item(r.item_id, "assistant", r.heard))
-        self._emit(*self._d.response_done(r))
+                    r.status = "completed"
+            except MlxcelError as error:
+                if r.status == "in_progress":
+                    r.status, r.reason = "failed", error.error_type
+                    self._error("inference_error", f"answer failed: {error.message}")
+            finally:
+                if self._active is not None and self._active[0] is r:
+                    if r.status == "in_progress":
+                        r.status, r.reason = "cancelled", "session_closed"
+                    self._end_response(r)
         if not cfg.multi_turn and r.status != "cancelled":
             self._close(1000, "turn complete")
 
