@@ -79,8 +79,16 @@ async def _too_large(error: RequestEntityTooLarge) -> Response:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _stt(ctx: ServerContext) -> SpeechToText:
+async def _drain_body() -> None:
+    """Read the request body before answering early: Hypercorn leaves a keep-alive connection
+    hanging when a response goes out before the request body was read."""
+    with contextlib.suppress(RequestEntityTooLarge):
+        await request.get_data(cache=False)
+
+
+async def _stt(ctx: ServerContext) -> SpeechToText:
     if ctx.stt is None:
+        await _drain_body()
         raise NotImplementedRoute(
             "audio model kind not loaded: stt. This server has no speech-to-text model; start "
             "it without --no-audio, with --stt-model <model>."
@@ -88,8 +96,9 @@ def _stt(ctx: ServerContext) -> SpeechToText:
     return ctx.stt
 
 
-def _tts(ctx: ServerContext) -> TextToSpeech:
+async def _tts(ctx: ServerContext) -> TextToSpeech:
     if ctx.tts is None:
+        await _drain_body()
         raise NotImplementedRoute(
             "audio model kind not loaded: tts. This server has no text-to-speech voice; start "
             "it without --no-audio, with --tts-model <voice> (or install piper-tts / espeak-ng)."
@@ -156,7 +165,7 @@ def _json(obj: object) -> Response:
 
 async def _transcribe(task: str) -> Response:
     ctx = server()
-    stt = _stt(ctx)
+    stt = await _stt(ctx)
     fields, data, _ = await _form(
         TRANSCRIPTION_FIELDS if task == "transcribe" else TRANSLATION_FIELDS
     )
@@ -261,7 +270,7 @@ async def speech() -> Response:
     from mlxcel.http.openai import read_json
 
     ctx = server()
-    tts = _tts(ctx)
+    tts = await _tts(ctx)
     text, voice, fmt, speed = _speech_request(await read_json(), tts)
     chunks = tts.synthesize(text, voice=voice, speed=speed)
     encoder = SpeechEncoder(fmt, tts.sample_rate)
