@@ -19,7 +19,7 @@ from mlxcel.runtime.errors import InvalidRequest
 SAMPLE_RATE = 16_000
 # Decoded audio longer than this is refused: a small, highly compressed upload could otherwise
 # expand to gigabytes of samples.
-MAX_AUDIO_SECONDS = 3 * 3600
+MAX_AUDIO_SECONDS = 2 * 3600
 
 
 def decode_audio(
