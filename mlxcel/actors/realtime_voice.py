@@ -25,8 +25,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, Protocol, cast
 
 import attrs
 import numpy as np
@@ -545,7 +545,8 @@ class RealtimeSession:
         async for piece in pieces:
             index: int | None = None
             speech = tts.synthesize(piece, voice=self.cfg.voice, speed=self.cfg.speed)
-            async with contextlib.aclosing(speech):
+            # An async generator: closed promptly when the answer is cancelled mid-sentence.
+            async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], speech)):
                 async for chunk in speech:
                     pcm = np.frombuffer(chunk, dtype="<i2")
                     if resampler is not None:
@@ -608,7 +609,8 @@ def _item(item: object) -> Item:
                 param="item.content",
             )
         texts.append(part["text"])
-    item_id = item.get("id") if isinstance(item.get("id"), str) else new_id("item")
+    given = item.get("id")
+    item_id = given if isinstance(given, str) else new_id("item")
     return Item(item_id, role, "".join(texts))
 
 

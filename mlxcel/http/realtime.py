@@ -28,7 +28,12 @@ from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.security import UNAUTHORIZED, key_ok
-from mlxcel.runtime.errors import AuthenticationFailed, InvalidRequest, NotImplementedRoute
+from mlxcel.runtime.errors import (
+    AuthenticationFailed,
+    InvalidRequest,
+    MlxcelError,
+    NotImplementedRoute,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +83,7 @@ def _refusal() -> Response | None:
     """The HTTP answer that refuses this handshake, or None to go on."""
     ctx = server()
     if any(name.lower() in KEY_PARAMS for name in websocket.args):
-        error = AuthenticationFailed(
+        error: MlxcelError = AuthenticationFailed(
             "API keys are not accepted in the query string (they end up in logs): send "
             "'Authorization: Bearer <key>' or 'X-Api-Key: <key>'",
             param="query",

@@ -135,6 +135,23 @@ async def test_barge_in_cancels_the_answer_and_the_next_turn_works(
         )
 
 
+async def test_session_cancel_during_an_answer_reports_it_then_closes_1000(
+    tiny_server: ServerProcess,
+) -> None:
+    async with connect(tiny_server.base_url) as c:
+        await configure(c, max_response_output_tokens=200)
+        await c.append(spoken())
+        await c.send({"type": "input_audio_buffer.commit"})
+        await c.until("response.created", timeout=240)
+        await c.send({"type": "session.cancel"})
+        code = await c.closed()
+    kinds = [e["type"] for e in c.events]
+    assert "response.done" not in kinds
+    cancelled = next(e for e in c.events if e["type"] == "response.cancelled")
+    assert cancelled["response"]["status"] == "cancelled"
+    assert code == 1000
+
+
 async def test_idle_session_is_closed_1008(tiny_server: ServerProcess) -> None:
     async with connect(tiny_server.base_url) as c:
         await configure(c, idle_timeout_s=1)

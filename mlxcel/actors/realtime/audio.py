@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,10 +70,10 @@ class Resampler:
         return self._collect(self._resampler.resample(None))
 
     @staticmethod
-    def _collect(frames: list[object]) -> np.ndarray:
+    def _collect(frames: Sequence[Any]) -> np.ndarray:
         if not frames:
             return np.zeros(0, dtype=np.int16)
-        return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.int16)  # type: ignore[attr-defined]
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in frames]).astype(np.int16)
 
 
 def resample(pcm: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
