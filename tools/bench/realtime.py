@@ -138,6 +138,9 @@ class Session:
         self.send_lag: list[float] = []
         self.errors: list[str] = []
         self._awaiting_audio = False
+        # Stage times of answered turns: stop -> transcript -> first text -> first audio.
+        self.stages: list[tuple[float, float, float]] = []
+        self._marks: dict[str, float] = {}
 
     async def run(self, base: str, args: argparse.Namespace, start_at: float) -> None:
         await trio.sleep_until(start_at)
@@ -198,9 +201,19 @@ class Session:
             if kind == "input_audio_buffer.speech_stopped":
                 self.stopped_at.append(now)
                 self._awaiting_audio = True
+                self._marks = {"stop": now}
+            elif kind == "conversation.item.input_audio_transcription.completed":
+                self._marks.setdefault("transcript", now)
+            elif kind == "response.text.delta":
+                self._marks.setdefault("text", now)
             elif kind == "response.audio.delta" and self._awaiting_audio:
                 self.first_audio.append(now)
                 self._awaiting_audio = False
+                m = self._marks
+                if {"stop", "transcript", "text"} <= m.keys():
+                    self.stages.append(
+                        (m["transcript"] - m["stop"], m["text"] - m["transcript"], now - m["text"])
+                    )
             elif kind == "error":
                 self.errors.append(event["error"].get("code", "?"))
 
@@ -264,6 +277,13 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
         f"{last:.2f} s; max client send lag {send_lag:.2f} s -> "
         + ("FELL BEHIND real time" if behind else "kept up with real time")
     )
+    stages = [st for s in sessions for st in s.stages]
+    if stages:
+        stt, llm, tts = (statistics.median(x) for x in zip(*stages, strict=True))
+        print(
+            f"median stages: speech_stopped -> transcript {stt:.2f} s, -> first text "
+            f"{llm:.2f} s, -> first audio {tts:.2f} s"
+        )
     print(f"errors: {errors or 'none'}")
 
 
