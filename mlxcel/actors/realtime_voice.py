@@ -265,6 +265,8 @@ class RealtimeSession:
             self._cancel_response("client_cancelled", always_report=True)
             self._close(1000, "session cancelled")
         elif kind == "response.cancel":
+            if self._active is None and self.cfg.multi_turn:
+                raise ProtocolError("no response is in progress", code="response_cancel_not_active")
             self._cancel_response("client_cancelled", always_report=not self.cfg.multi_turn)
             if not self.cfg.multi_turn:
                 self._close(1000, "response cancelled")
@@ -391,10 +393,12 @@ class RealtimeSession:
         self._emit(*self._d.user_item(item_id, previous, None))
         if respond is None:
             # A manual commit answers unless server VAD is on with create_response off.
-            td = self.cfg.turn_detection
-            respond = td is None or td.create_response
-        # The user spoke again: whatever was being answered is stale.
-        self._cancel_response("turn_detected")
+            respond = self.cfg.turn_detection is None or self.cfg.turn_detection.create_response
+        # The user spoke again: whatever was being answered is stale (unless VAD is told not to
+        # interrupt answers; then the new turn waits for the running one).
+        td = self.cfg.turn_detection
+        if td is None or td.interrupt_response:
+            self._cancel_response("turn_detected")
         self._queue(Turn(item_id, audio, respond))
 
     def _queue(self, job: Job) -> None:
@@ -558,6 +562,12 @@ class RealtimeSession:
                             # The piece counts as heard from its first audio on.
                             index = len(r.spoken_pieces)
                             r.spoken_pieces.append(piece)
+                            if index == 0 and self.turn_ended_at is not None:
+                                log.debug(
+                                    "realtime %s: first audio %.2f s after the end of speech",
+                                    self.id,
+                                    trio.current_time() - self.turn_ended_at,
+                                )
                             self._emit(*self._d.spoken(r, piece), response_id=r.id)
                         for payload in self._d.audio_delta(r, encode_pcm16(part.tobytes())):
                             self._out.put(
