@@ -176,8 +176,8 @@ class RealtimeSession:
                 n.start_soon(self._writer)
                 n.start_soon(self._reader)
                 n.start_soon(self._responder)
-        except OutboxOverflow as error:
-            log.warning("realtime %s dropped: %s", self.id, error)
+        except* OutboxOverflow as group:
+            log.warning("realtime %s dropped: %s", self.id, group.exceptions[0])
             with trio.move_on_after(1) as s:
                 s.shield = True
                 await self._t.close(1008, "client too slow: outgoing queue overflow")
