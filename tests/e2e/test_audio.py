@@ -244,7 +244,7 @@ def test_oversized_upload_is_413(audio_server: ServerProcess) -> None:
 
 def test_upload_above_json_limit_is_accepted(client: openai.OpenAI, question_wav: bytes) -> None:
     # Audio uploads are not held to --max-request-bytes (2 MiB): the question as 48 kHz
-    # stereo 32-bit WAV, plus a second of silence, is over 2 MiB.
+    # stereo 32-bit WAV, plus three seconds of silence, is over 2 MiB.
     with av.open(io.BytesIO(question_wav)) as container:
         resampler = av.AudioResampler(format="s32", layout="stereo", rate=48000)
         frames = [
@@ -252,7 +252,7 @@ def test_upload_above_json_limit_is_accepted(client: openai.OpenAI, question_wav
             for frame in container.decode(audio=0)
             for out in resampler.resample(frame)
         ]
-    samples = np.concatenate([*frames, np.zeros(2 * 48000, dtype=np.int32)])
+    samples = np.concatenate([*frames, np.zeros(2 * 48000 * 3, dtype=np.int32)])
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(2)
