@@ -5,6 +5,7 @@ test and sent as 16 kHz PCM16 in 80 ms frames, as a microphone client would."""
 from __future__ import annotations
 
 import base64
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,6 +159,43 @@ async def test_idle_session_is_closed_1008(tiny_server: ServerProcess) -> None:
         error = await c.recv(timeout=30)
         assert error["type"] == "error" and error["error"]["code"] == "idle_timeout"
         assert await c.closed() == 1008
+
+
+async def test_session_life_is_capped_even_when_busy(tiny_server: ServerProcess) -> None:
+    async with connect(tiny_server.base_url) as c:
+        await configure(c, max_streaming_seconds=2, idle_timeout_s=5)
+
+        async def keep_active() -> None:
+            # An active client (the cap applies however busy the session is).
+            with contextlib.suppress(trio_websocket.ConnectionClosed):
+                while True:
+                    await c.send({"type": "session.ping"})
+                    await trio.sleep(0.3)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(keep_active)
+            code = await c.closed()
+            n.cancel_scope.cancel()
+    errors = [e["error"]["code"] for e in c.events if e["type"] == "error"]
+    assert errors == ["session_expired"]
+    assert code == 1008
+
+
+async def test_uncommitted_audio_is_bounded(tiny_server: ServerProcess) -> None:
+    """A client that streams without committing gets an error once 120 s are buffered; the
+    extra audio is dropped and the session goes on."""
+    chunk = base64.b64encode(np.zeros(16_000 * 20, "<i2").tobytes()).decode()  # 20 s, 853 KB
+    async with connect(tiny_server.base_url) as c:
+        await configure(c)
+        for _ in range(7):
+            await c.send({"type": "input_audio_buffer.append", "audio": chunk})
+        full = await c.recv()
+        assert full["error"]["code"] == "input_audio_buffer_full"
+        await c.send({"type": "input_audio_buffer.clear"})
+        assert (await c.recv())["type"] == "input_audio_buffer.cleared"
+        await c.send({"type": "input_audio_buffer.append", "audio": chunk})
+        await c.send({"type": "session.ping"})
+        assert (await c.recv())["type"] == "session.pong"
 
 
 async def test_bad_frames_are_error_events_and_the_session_goes_on(
