@@ -7,7 +7,6 @@ first use; jobs advance one Whisper segment at a time, taking turns (see ``worke
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -127,7 +126,6 @@ class SpeechToText:
         self.info = info
         self.timeout = timeout
         self._worker = AudioWorker(build, name="speech-to-text", queue_depth=queue_depth)
-        self._ids = itertools.count()
 
     @property
     def model_id(self) -> str:

@@ -7,7 +7,6 @@ sentence at a time (see ``worker.py``), so many voices can speak at once.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -118,7 +117,6 @@ class TextToSpeech:
         self.info = info
         self.timeout = timeout
         self._worker = AudioWorker(build, name="text-to-speech", queue_depth=queue_depth)
-        self._ids = itertools.count()
 
     @property
     def model_id(self) -> str:
