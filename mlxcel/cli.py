@@ -285,6 +285,50 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=d.reasoning_budget,
         help="default thinking budget in tokens: -1 unlimited, 0 no thinking, N cap",
     )
+    opt(
+        "--stt-model",
+        env="MLXCEL_STT_MODEL",
+        default=d.stt_model,
+        metavar="PATH|REPO|none",
+        help="speech-to-text model: a CTranslate2 Whisper folder, a Whisper size (tiny.en, ...) "
+        "or hub repo id, or none; default: the packaged Whisper tiny.en",
+    )
+    opt(
+        "--tts-model",
+        env="MLXCEL_TTS_MODEL",
+        default=d.tts_model,
+        metavar="PATH|REPO|espeak-ng|none",
+        help="text-to-speech voice: a Piper .onnx voice (or folder or hub repo id), espeak-ng, "
+        "or none; default: the packaged Piper voice, else espeak-ng",
+    )
+    p.add_argument(
+        "--no-audio",
+        dest="audio",
+        action="store_false",
+        default=_env_bool("MLXCEL_AUDIO", d.audio),
+        help="turn the audio routes and the realtime voice WebSocket off (env: MLXCEL_AUDIO)",
+    )
+    opt(
+        "--audio-queue-depth",
+        env="LLAMA_ARG_AUDIO_QUEUE_DEPTH",
+        type=int,
+        default=d.audio_queue_depth,
+        help="audio jobs (per model) held at once before new ones get 503 server_busy",
+    )
+    opt(
+        "--audio-request-timeout-secs",
+        env="LLAMA_ARG_AUDIO_REQUEST_TIMEOUT_SECS",
+        type=float,
+        default=d.audio_request_timeout_secs,
+        help="seconds an audio request may wait for its result (or next sentence) before a 504",
+    )
+    opt(
+        "--realtime-max-sessions",
+        env="MLXCEL_REALTIME_MAX_SESSIONS",
+        type=int,
+        default=d.realtime_max_sessions,
+        help="realtime voice WebSocket sessions open at once; more get server_busy and close 1013",
+    )
     g = d.sampling
     for flags, env, kind, default, what in (
         (("--temp",), "TEMP", float, g.temperature, "temperature"),
@@ -471,6 +515,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--conversation-store-max-bytes": args.conversation_store_max_bytes >= 0,
         "--conversation-store-ttl-secs": args.conversation_store_ttl_secs >= 0,
         "--reasoning-budget": args.reasoning_budget >= -1,
+        "--audio-queue-depth": args.audio_queue_depth >= 1,
+        "--audio-request-timeout-secs": args.audio_request_timeout_secs > 0,
+        "--realtime-max-sessions": args.realtime_max_sessions >= 1,
     }
     for flag, ok in checks.items():
         if not ok:
@@ -517,6 +564,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         conversation_store_max_bytes=args.conversation_store_max_bytes,
         conversation_store_ttl_secs=args.conversation_store_ttl_secs,
         reasoning_budget=args.reasoning_budget,
+        audio=args.audio,
+        stt_model=args.stt_model,
+        tts_model=args.tts_model,
+        audio_queue_depth=args.audio_queue_depth,
+        audio_request_timeout_secs=args.audio_request_timeout_secs,
+        realtime_max_sessions=args.realtime_max_sessions,
     )
 
 
@@ -548,14 +601,14 @@ def run_serve(settings: Settings) -> int:
 
     import trio
 
-    from mlxcel.models.errors import ModelNotFound
+    from mlxcel.models.errors import ModelError
     from mlxcel.server import serve
 
     try:
         trio.run(serve, settings)
     except BaseException as error:  # noqa: BLE001 - unwrap the nursery's group, report, exit
         leaf = _leaf(error)
-        if isinstance(leaf, ModelNotFound):
+        if isinstance(leaf, ModelError):
             print(f"error: {leaf}", file=sys.stderr)
             return 1
         if isinstance(leaf, KeyboardInterrupt):

@@ -18,6 +18,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from mlxcel.actors.admission import Admission
+from mlxcel.actors.audio.start import start_audio
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
 from mlxcel.actors.reasoning import detect_reasoning
@@ -66,6 +67,8 @@ def hypercorn_config(settings: Settings) -> Config:
     config.graceful_timeout = 0.5
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
+    # Realtime WebSocket messages are capped at 1 MiB (larger: close 1009).
+    config.websocket_max_message_size = 1024 * 1024
     return config
 
 
@@ -92,6 +95,8 @@ async def serve(
     async with trio.open_nursery() as root:
         # Embedding / rerank workers; with -m <embedder> the chat model runner never starts.
         side = await start_side_models(root, settings, detect=build_backend is None)
+        # Speech-to-text / text-to-speech workers: ready at once, models load on first use.
+        audio = await start_audio(root, settings)
         info: ModelInfo = (
             await root.start(ModelRunner(build, plans_rx, outputs_tx).run)
             if side.generation
@@ -151,6 +156,8 @@ async def serve(
             metrics=metrics,
             tool_format=tool_format,
             session_store=session_store,
+            stt=audio.stt,
+            tts=audio.tts,
         )
         metrics.live.running = lambda: scheduler.running
         metrics.live.waiting = lambda: scheduler.waiting

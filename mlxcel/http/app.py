@@ -10,6 +10,7 @@ from werkzeug.exceptions import HTTPException
 
 from mlxcel.http import (
     anthropic,
+    audio,
     completion,
     conversations,
     embeddings,
@@ -20,6 +21,7 @@ from mlxcel.http import (
     responses,
     security,
 )
+from mlxcel.http import realtime as realtime_ws
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import Family, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
@@ -39,6 +41,8 @@ ANTHROPIC_BLUEPRINTS = frozenset({"anthropic"})
 
 def create_app(ctx: ServerContext) -> QuartTrio:
     app = QuartTrio("mlxcel")
+    # The audio upload routes take 25 MiB bodies whatever --max-request-bytes says.
+    app.request_class = audio.AudioUploadRequest
     app.config["MLXCEL"] = ctx
     # Streams last as long as generation does: Quart's 60 s response/body timeouts would cut
     # them silently. Idle sockets are Hypercorn's business (keep-alive timeout).
@@ -59,6 +63,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(responses.bp, url_prefix=prefix)
     app.register_blueprint(conversations.bp, url_prefix=prefix)
     app.register_blueprint(anthropic.bp, url_prefix=prefix)
+    app.register_blueprint(audio.bp, url_prefix=prefix)
+    app.register_blueprint(realtime_ws.bp, url_prefix=prefix)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:

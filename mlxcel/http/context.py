@@ -9,6 +9,8 @@ import trio
 from quart import current_app
 
 from mlxcel.actors.admission import Admission
+from mlxcel.actors.audio.stt import SpeechToText
+from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.scheduler import Scheduler
@@ -43,6 +45,9 @@ class ServerContext:
     generation: bool = True
     # Stored Responses and conversations, and the responses being generated now.
     session_store: SessionStore | None = None
+    # Audio workers (None when not loaded: --no-audio, --stt-model none, nothing installed).
+    stt: SpeechToText | None = None
+    tts: TextToSpeech | None = None
 
     @property
     def model_id(self) -> str:

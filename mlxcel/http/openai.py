@@ -20,6 +20,7 @@ from quart import Blueprint, Response, request
 from mlxcel.actors.side_models import require_generation
 from mlxcel.http import logprobs, sse
 from mlxcel.http.anthropic_blocks import model_page
+from mlxcel.http.audio import audio_model_entries
 from mlxcel.http.chat_render import Collected, message, stream_choices
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import side_model_entries
@@ -260,6 +261,7 @@ async def models() -> Response:
     # Embedder / reranker entries follow; without a chat model only they are listed.
     data, listed = ([entry], [ollama]) if ctx.generation else ([], [])
     data += side_model_entries(ctx)
+    data += audio_model_entries(ctx)
     listed += [
         {"name": e["id"], "model": e["id"], "capabilities": e["capabilities"]}
         for e in data[len(listed) :]

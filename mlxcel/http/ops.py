@@ -10,6 +10,7 @@ import attrs
 from quart import Blueprint, Response, request
 
 from mlxcel import __version__
+from mlxcel.http.audio import audio_capabilities
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import capabilities_props
 from mlxcel.http.errors import error_response
@@ -72,7 +73,7 @@ async def props() -> Response:
             "is_sleeping": False,
             # Which kinds of model are served, and how /rerank scores (cross-encoder, or
             # embedding cosine when only an embedder is loaded).
-            "capabilities": capabilities_props(ctx),
+            "capabilities": capabilities_props(ctx) | audio_capabilities(ctx),
         }
     )
 

@@ -358,3 +358,44 @@ class Embedded:
     # [n, dim] float32 vectors, or [n] scores in [0, 1] for a cross-encoder.
     values: object = attrs.field(eq=False)
     token_counts: tuple[int, ...]
+
+
+# --- speech-to-text worker -> http / realtime voice ---------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Word:
+    """One recognised word with its time span in seconds (word timestamps)."""
+
+    word: str
+    start: float
+    end: float
+    probability: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class Segment:
+    """One decoded stretch of speech: Whisper's segment, as verbose_json reports it."""
+
+    id: int
+    start: float
+    end: float
+    text: str
+    seek: int = 0
+    tokens: tuple[int, ...] = ()
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+    words: tuple[Word, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Transcription:
+    """A finished transcription (or translation into English) of one audio clip."""
+
+    text: str
+    language: str
+    # Seconds of audio that were read.
+    duration: float
+    segments: tuple[Segment, ...] = ()

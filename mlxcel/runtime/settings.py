@@ -81,6 +81,14 @@ class Settings:
     conversation_store_ttl_secs: float = 3600.0
     # Default thinking budget for requests that set none: -1 unlimited, 0 none, N tokens.
     reasoning_budget: int = -1
+    # Audio workers (speech-to-text, text-to-speech): None = the packaged defaults, "none" = off.
+    audio: bool = True
+    stt_model: str | None = None
+    tts_model: str | None = None
+    audio_queue_depth: int = 8
+    audio_request_timeout_secs: float = 120.0
+    # Realtime voice WebSocket sessions open at once (more: error server_busy, close 1013).
+    realtime_max_sessions: int = 8
 
     @property
     def cache_enabled(self) -> bool:

@@ -63,7 +63,8 @@ def managed(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
         ctx_size=1024,
         n_predict=12,
         warmup=False,
-        extra_args=["--parallel", "1", "--max-queue-depth", "1"],
+        # No audio models, so /v1/models lists the chat model alone.
+        extra_args=["--parallel", "1", "--max-queue-depth", "1", "--no-audio"],
         max_retries=0,
         startup_timeout=120,
     ) as llm:

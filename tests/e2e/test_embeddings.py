@@ -48,7 +48,7 @@ def side_server(
 
 @pytest.fixture(scope="module")
 def embed_only() -> Iterator[ServerProcess]:
-    server = ServerProcess(["-m", MINILM])
+    server = ServerProcess(["-m", MINILM, "--no-audio"])
     yield server
     server.stop()
 

@@ -180,7 +180,7 @@ def test_help_lists_the_flags() -> None:
 def test_llama_arg_env_sets_the_alias(tiny_model_dir: Path) -> None:
     os.environ["LLAMA_ARG_ALIAS"] = "my-alias"
     try:
-        server = ServerProcess(["-m", str(tiny_model_dir), "--no-warmup"])
+        server = ServerProcess(["-m", str(tiny_model_dir), "--no-warmup", "--no-audio"])
     finally:
         del os.environ["LLAMA_ARG_ALIAS"]
     try:

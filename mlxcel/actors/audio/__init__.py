@@ -1,0 +1,1 @@
+"""Audio worker actors: speech-to-text (``stt``) and text-to-speech (``tts``)."""

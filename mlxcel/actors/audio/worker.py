@@ -1,0 +1,147 @@
+"""The thread both audio workers run on: a lazily built model, jobs served round-robin.
+
+A worker owns one thread (``trio.to_thread.run_sync(..., abandon_on_cancel=False)``) that builds
+its model on the first job (so a server that never hears a sound never pays for loading it; the
+realtime actor can ask for it early with ``preload``), then serves jobs one *step* at a time
+(one Whisper segment, one sentence of speech), taking turns between jobs. A long transcription
+therefore never makes a short one wait for all of it, and the first sentence of every reply
+comes out early.
+
+The Trio side admits at most ``queue_depth`` jobs at once (more is ``ServerBusy``, a 503). A
+caller that stops waiting (client gone, timeout, barge-in) marks its job cancelled; the thread
+drops it before its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+import trio
+
+from mlxcel.runtime.errors import InternalError, MlxcelError, ServerBusy
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B")
+
+
+class Job(Protocol[B]):  # type: ignore[misc]
+    """One request's work, advanced on the worker's thread one step at a time."""
+
+    # Set from the Trio side; read by the thread before each step (a stale read costs a step).
+    cancelled: bool
+
+    def step(self, backend: B) -> bool:
+        """Run one step on the worker's thread; True when the job is finished."""
+        ...
+
+    def fail(self, error: MlxcelError) -> None:
+        """Called on the worker's thread when the job cannot go on."""
+        ...
+
+
+class _Preload:
+    """A no-op job: builds the model ahead of the first real request."""
+
+    cancelled = False
+
+    def step(self, backend: object) -> bool:
+        return True
+
+    def fail(self, error: MlxcelError) -> None:
+        pass
+
+
+class AudioWorker(Generic[B]):
+    def __init__(self, build: Callable[[], B], *, name: str, queue_depth: int) -> None:
+        self._build = build
+        self.name = name
+        self.queue_depth = queue_depth
+        # Unbounded on purpose: ``admit`` bounds it (a job is admitted only under the depth).
+        self._tx, self._rx = trio.open_memory_channel[Job[B]](math.inf)
+        self.held = 0
+        self.loaded = trio.Event()
+        self.load_error: MlxcelError | None = None
+        self._preloading = False
+
+    def admit(self, job: Job[B]) -> None:
+        """Queue ``job`` (Trio thread); ServerBusy when ``queue_depth`` jobs are held already.
+
+        Every admitted job must be handed back with ``release`` once its caller stops waiting.
+        """
+        if self.held >= self.queue_depth:
+            raise ServerBusy()
+        self.held += 1
+        self._tx.send_nowait(job)
+
+    def release(self) -> None:
+        self.held -= 1
+
+    def preload(self) -> None:
+        """Start building the model now, without a request (no-op once started)."""
+        if not self._preloading and not self.loaded.is_set():
+            self._preloading = True
+            self._tx.send_nowait(_Preload())
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Ready at once; the model is built on the first job. Runs until cancelled.
+
+        Cancellation reaches the thread while it waits for work; a step in progress (one
+        segment, one sentence) finishes first, since native inference cannot be interrupted.
+        """
+        task_status.started()
+        await trio.to_thread.run_sync(self._thread_main, abandon_on_cancel=False)
+
+    def _thread_main(self) -> None:
+        backend: B | None = None
+        active: deque[Job[B]] = deque()
+        while True:
+            if not active:
+                try:
+                    active.append(trio.from_thread.run(self._rx.receive))
+                except trio.EndOfChannel:
+                    return
+            active.extend(trio.from_thread.run_sync(self._drain))
+            if backend is None and self.load_error is None:
+                backend = self._load()
+            job = active.popleft()
+            if job.cancelled:
+                continue
+            if backend is None:
+                assert self.load_error is not None
+                job.fail(self.load_error)
+                continue
+            try:
+                done = job.step(backend)
+            except MlxcelError as error:
+                job.fail(error)
+                done = True
+            except Exception as error:  # noqa: BLE001 - one bad job fails alone; the worker lives
+                log.exception("%s job failed", self.name)
+                job.fail(InternalError(f"{self.name} failed: {type(error).__name__}: {error}"))
+                done = True
+            if not done:
+                active.append(job)
+
+    def _load(self) -> B | None:
+        try:
+            backend = self._build()
+        except MlxcelError as error:
+            self.load_error = error
+        except Exception as error:  # noqa: BLE001 - reported to every request, logged once
+            log.exception("loading the %s model failed", self.name)
+            self.load_error = InternalError(f"Loading the {self.name} model failed: {error}")
+        trio.from_thread.run_sync(self.loaded.set)
+        return None if self.load_error is not None else backend
+
+    def _drain(self) -> list[Job[B]]:
+        jobs = []
+        while True:
+            try:
+                jobs.append(self._rx.receive_nowait())
+            except trio.WouldBlock:
+                return jobs

@@ -1,0 +1,278 @@
+"""The two event vocabularies a realtime session speaks, chosen per session at the handshake.
+
+``VoiceChat`` is the seed's protocol (reference/mlxcel-surface.md §5) plus documented additions;
+``OpenAIRealtime`` is the OpenAI Realtime (GA) vocabulary, enough for the official SDK's
+``client.realtime.connect()``. Each turns the session's internal happenings into the wire
+payloads of its vocabulary (the session adds ``event_id``) and reads ``session.update``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxcel.actors.realtime.audio import FRAME_SAMPLES
+from mlxcel.actors.realtime.config import (
+    MAX_SESSION_SECONDS,
+    ProtocolError,
+    ResponseState,
+    SessionConfig,
+    TurnDetection,
+)
+
+Event = dict[str, Any]
+
+# OpenAI Realtime carries PCM16 at 24 kHz both ways.
+OPENAI_RATE = 24_000
+
+
+def _number(value: object, param: str, *, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"'{param}' must be a number", param=param)
+    if not low <= value <= high:
+        raise ProtocolError(f"'{param}' must be between {low:g} and {high:g}", param=param)
+    return float(value)
+
+
+def _tokens(value: object, param: str) -> int | None:
+    if value == "inf":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise ProtocolError(f"'{param}' must be an integer in 1..4096 or \"inf\"", param=param)
+    return value
+
+
+def _string(value: object, param: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"'{param}' must be a string", param=param)
+    return value
+
+
+def _turn_detection(value: object, param: str) -> TurnDetection | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"'{param}' must be an object or null", param=param)
+    kind = value.get("type", "server_vad")
+    if kind != "server_vad":
+        raise ProtocolError(
+            f"'{param}.type' {kind!r} is not supported (use server_vad)", param=param
+        )
+    td = TurnDetection()
+    for key, v in value.items():
+        p = f"{param}.{key}"
+        if key == "type":
+            continue
+        elif key == "threshold":
+            td.threshold = _number(v, p, low=0.05, high=0.95)
+        elif key == "prefix_padding_ms":
+            td.prefix_padding_ms = int(_number(v, p, low=0, high=2000))
+        elif key == "silence_duration_ms":
+            td.silence_duration_ms = int(_number(v, p, low=64, high=5000))
+        elif key in ("create_response", "interrupt_response"):
+            if not isinstance(v, bool):
+                raise ProtocolError(f"'{p}' must be a boolean", param=p)
+            setattr(td, key, v)
+        elif key == "idle_timeout_ms" and v is None:
+            continue
+        else:
+            raise ProtocolError(f"'{p}' is not supported by this server", param=p)
+    return td
+
+
+def _common_field(cfg: SessionConfig, key: str, value: object, param: str) -> bool:
+    """Fields both vocabularies accept under the same name. False: not one of them."""
+    if key == "model":
+        _string(value, param)  # any name; the served model answers
+    elif key == "temperature":
+        cfg.temperature = _number(value, param, low=0.0, high=2.0)
+    elif key in ("max_output_tokens", "max_response_output_tokens"):
+        cfg.max_output_tokens = _tokens(value, param)
+    elif key == "idle_timeout_s":
+        cfg.idle_timeout = _number(value, param, low=1.0, high=MAX_SESSION_SECONDS)
+    elif key == "voice":
+        cfg.voice = _string(value, param)
+    elif key == "speed":
+        cfg.speed = _number(value, param, low=0.25, high=4.0)
+    elif key == "turn_detection":
+        cfg.turn_detection = _turn_detection(value, param)
+    else:
+        return False
+    return True
+
+
+class CommonEvents:
+    """Events both vocabularies spell the same way."""
+
+    def speech_started(self, item_id: str, ms: int) -> list[Event]:
+        return [
+            {"type": "input_audio_buffer.speech_started", "audio_start_ms": ms, "item_id": item_id}
+        ]
+
+    def speech_stopped(self, item_id: str, ms: int) -> list[Event]:
+        return [
+            {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms, "item_id": item_id}
+        ]
+
+    def cleared(self) -> list[Event]:
+        return [{"type": "input_audio_buffer.cleared"}]
+
+    def pong(self) -> list[Event]:
+        return [{"type": "session.pong"}]
+
+
+class VoiceChat(CommonEvents):
+    """The seed's VoiceChat events; every server event also carries ``frame_index``."""
+
+    name = "voicechat"
+    needs_configure = True
+    frame_index = True
+
+    def __init__(self, output_rate: int) -> None:
+        self.output_rate = output_rate
+
+    def initial_config(self, model: str) -> SessionConfig:
+        return SessionConfig(model=model, multi_turn=False, output_rate=self.output_rate)
+
+    def apply_update(self, cfg: SessionConfig, session: object, *, first: bool) -> None:
+        if not first:
+            raise ProtocolError(
+                "the session is already configured", code="session_initialization_failed"
+            )
+        if not isinstance(session, dict):
+            raise ProtocolError("'session' must be an object", param="session")
+        for key, value in session.items():
+            param = f"session.{key}"
+            if _common_field(cfg, key, value, param):
+                continue
+            if key in ("system_prompt", "instructions"):
+                cfg.instructions = _string(value, param)
+            elif key == "seed":
+                cfg.seed = _seed(value, param)
+            elif key == "max_streaming_seconds":
+                # Clamped, as the seed does.
+                cfg.max_seconds = min(_number(value, param, low=1, high=1e9), MAX_SESSION_SECONDS)
+            elif key == "multi_turn":
+                if not isinstance(value, bool):
+                    raise ProtocolError(f"'{param}' must be a boolean", param=param)
+                cfg.multi_turn = value
+            elif key == "language":
+                cfg.language = _string(value, param)
+            else:
+                raise ProtocolError(
+                    f"'{param}' is not supported by this server",
+                    code="session_initialization_failed",
+                    param=param,
+                )
+        if cfg.turn_detection is not None:
+            # Turns that end by themselves only make sense in a session that goes on.
+            cfg.multi_turn = True
+
+    def _session(self, sid: str, cfg: SessionConfig, state: str) -> dict[str, Any]:
+        return {
+            "id": sid,
+            "state": state,
+            "input_audio_format": {"type": "pcm16", "sample_rate": cfg.input_rate},
+            "output_audio_format": {"type": "pcm16", "sample_rate": cfg.output_rate},
+        }
+
+    def session_created(self, sid: str, cfg: SessionConfig) -> list[Event]:
+        return [{"type": "session.created", "session": self._session(sid, cfg, "configuring")}]
+
+    def session_updated(self, sid: str, cfg: SessionConfig) -> list[Event]:
+        td = cfg.turn_detection
+        session = {
+            **self._session(sid, cfg, "ready"),
+            "model": cfg.model,
+            "frame_samples": FRAME_SAMPLES,
+            "formats": {"input": ["pcm16"], "output": ["pcm16"]},
+            "system_prompt": cfg.instructions,
+            "seed": cfg.seed,
+            "max_streaming_seconds": cfg.max_seconds,
+            "idle_timeout_s": cfg.idle_timeout,
+            "multi_turn": cfg.multi_turn,
+            "turn_detection": None if td is None else {"type": "server_vad", **_td(td)},
+            "voice": cfg.voice,
+        }
+        return [{"type": "session.updated", "session": session}]
+
+    def committed(self, item_id: str, previous: str | None) -> list[Event]:
+        return [{"type": "input_audio_buffer.committed", "item_id": item_id}]
+
+    def user_item(self, item_id: str, previous: str | None, text: str | None) -> list[Event]:
+        return []
+
+    def transcript(self, item_id: str, text: str) -> list[Event]:
+        return [
+            {
+                "type": "conversation.item.input_audio_transcription.delta",
+                "item_id": item_id,
+                "delta": text,
+                "transcript": text,
+            },
+            {
+                "type": "conversation.item.input_audio_transcription.completed",
+                "item_id": item_id,
+                "transcript": text,
+            },
+        ]
+
+    def response_created(self, r: ResponseState) -> list[Event]:
+        return [{"type": "response.created", "response": {"id": r.id, "status": r.status}}]
+
+    def text_delta(self, r: ResponseState, delta: str) -> list[Event]:
+        return [{"type": "response.text.delta", "token_id": None, "delta": delta, "text": r.text}]
+
+    def audio_delta(self, r: ResponseState, b64: str) -> list[Event]:
+        return [
+            {
+                "type": "response.audio.delta",
+                "delta": b64,
+                "format": "pcm16",
+                "sample_rate": self.output_rate,
+                "channels": 1,
+                "audio_codes": [],
+            }
+        ]
+
+    def spoken(self, r: ResponseState, piece: str) -> list[Event]:
+        return []
+
+    def response_done(self, r: ResponseState) -> list[Event]:
+        body = {
+            "id": r.id,
+            "status": r.status,
+            "text": r.text,
+            "spoken": r.spoken,
+            "usage": {"input_tokens": r.input_tokens, "output_tokens": r.output_tokens},
+        }
+        if r.status == "cancelled":
+            return [{"type": "response.cancelled", "response": body}]
+        return [{"type": "response.done", "response": body}]
+
+    def error(self, code: str, message: str, param: str | None) -> Event:
+        return {"type": "error", "error": {"code": code, "message": message, "param": param}}
+
+
+def _seed(value: object, param: str) -> int:
+    # The seed accepts an integer, a whole float or a numeric string.
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ProtocolError(
+        f"'{param}' must be a non-negative integer",
+        code="session_initialization_failed",
+        param=param,
+    )
+
+
+def _td(td: TurnDetection) -> dict[str, Any]:
+    return {
+        "threshold": td.threshold,
+        "prefix_padding_ms": td.prefix_padding_ms,
+        "silence_duration_ms": td.silence_duration_ms,
+        "create_response": td.create_response,
+        "interrupt_response": td.interrupt_response,
+    }

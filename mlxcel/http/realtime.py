@@ -1,0 +1,173 @@
+"""``/v1/realtime``: the realtime voice WebSocket (one RealtimeSession actor per connection).
+
+The handshake is checked before the upgrade is accepted, so failures are plain HTTP answers:
+401 without a valid key (``Authorization: Bearer`` or ``X-Api-Key``; a key in the query
+string is refused even when valid, because query strings end up in access logs), 501 when the
+server has no chat model, speech-to-text or text-to-speech. A connection beyond
+``--realtime-max-sessions`` is accepted, told ``error{code:"server_busy"}`` and closed 1013.
+
+Vocabulary: ``?protocol=openai`` or ``?protocol=voicechat`` chooses; without it a ``model``
+query parameter (what the OpenAI SDK's ``realtime.connect(model=...)`` sends) selects OpenAI
+Realtime, anything else the seed's VoiceChat protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import attrs
+import trio
+from quart import Blueprint, Response, current_app, websocket
+
+from mlxcel.actors.realtime.config import new_id
+from mlxcel.actors.realtime.openai_events import OpenAIRealtime
+from mlxcel.actors.realtime.protocol import VoiceChat
+from mlxcel.actors.realtime.vad import shared_model
+from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
+from mlxcel.http.context import ServerContext, server
+from mlxcel.http.errors import envelope
+from mlxcel.http.security import UNAUTHORIZED, key_ok
+from mlxcel.runtime.errors import (
+    AuthenticationFailed,
+    InvalidRequest,
+    MlxcelError,
+    NotImplementedRoute,
+)
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("realtime", __name__)
+
+# Query parameters that carry credentials in other products' WebSocket APIs.
+KEY_PARAMS = frozenset(
+    {"api_key", "apikey", "api-key", "key", "token", "access_token", "authorization", "x-api-key"}
+)
+
+
+@attrs.define
+class SessionGate:
+    """How many realtime sessions are open, against ``--realtime-max-sessions``."""
+
+    limit: int
+    open: int = 0
+    vad_limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(2))
+
+    def try_enter(self) -> bool:
+        if self.open >= self.limit:
+            return False
+        self.open += 1
+        return True
+
+    def leave(self) -> None:
+        self.open -= 1
+
+
+def _gate(ctx: ServerContext) -> SessionGate:
+    gate: SessionGate | None = current_app.config.get("MLXCEL_REALTIME")
+    if gate is None:
+        gate = SessionGate(ctx.settings.realtime_max_sessions)
+        current_app.config["MLXCEL_REALTIME"] = gate
+    return gate
+
+
+def _presented_key() -> str | None:
+    auth = websocket.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return websocket.headers.get("X-Api-Key") or None
+
+
+def _refusal() -> Response | None:
+    """The HTTP answer that refuses this handshake, or None to go on."""
+    ctx = server()
+    if any(name.lower() in KEY_PARAMS for name in websocket.args):
+        error: MlxcelError = AuthenticationFailed(
+            "API keys are not accepted in the query string (they end up in logs): send "
+            "'Authorization: Bearer <key>' or 'X-Api-Key: <key>'",
+            param="query",
+        )
+        return Response(json.dumps(envelope(error)), status=401, content_type="application/json")
+    if ctx.settings.api_keys and not key_ok(_presented_key(), ctx.settings.api_keys):
+        return Response(UNAUTHORIZED, status=401, content_type="application/json")
+    missing = (
+        "a chat model (-m)"
+        if not ctx.generation
+        else "speech-to-text (--stt-model; not --no-audio)"
+        if ctx.stt is None
+        else "text-to-speech (--tts-model; not --no-audio)"
+        if ctx.tts is None
+        else None
+    )
+    if missing is not None:
+        error = NotImplementedRoute(f"The realtime voice WebSocket needs {missing}.")
+        return Response(json.dumps(envelope(error)), status=501, content_type="application/json")
+    protocol = websocket.args.get("protocol")
+    if protocol not in (None, "openai", "voicechat"):
+        error = InvalidRequest("protocol must be openai or voicechat", param="protocol")
+        return Response(json.dumps(envelope(error)), status=400, content_type="application/json")
+    return None
+
+
+class _QuartTransport:
+    async def receive(self) -> str | bytes:
+        message: str | bytes = await websocket.receive()
+        return message
+
+    async def send(self, data: str) -> None:
+        await websocket.send(data)
+
+    async def close(self, code: int, reason: str) -> None:
+        await websocket.close(code, reason)
+
+
+@bp.websocket("/v1/realtime")
+async def realtime() -> Response | None:
+    refusal = _refusal()
+    if refusal is not None:
+        return refusal
+    ctx = server()
+    assert ctx.stt is not None and ctx.tts is not None
+    gate = _gate(ctx)
+    await websocket.accept()
+    if not gate.try_enter():
+        busy = {
+            "type": "error",
+            "event_id": new_id("event"),
+            "error": {
+                "type": "server_error",
+                "code": "server_busy",
+                "message": f"All {gate.limit} realtime sessions are in use. Try again later.",
+            },
+        }
+        await websocket.send(json.dumps(busy))
+        await websocket.close(1013, "server busy")
+        return None
+    try:
+        # The voices load on first use: start them now, while the client configures.
+        ctx.stt.preload()
+        ctx.tts.preload()
+        protocol = websocket.args.get("protocol") or (
+            "openai" if "model" in websocket.args else "voicechat"
+        )
+        dialect = OpenAIRealtime() if protocol == "openai" else VoiceChat(ctx.tts.sample_rate)
+        deps = VoiceDeps(
+            admission=ctx.admission,
+            stt=ctx.stt,
+            tts=ctx.tts,
+            sampling=ctx.settings.sampling,
+            model_id=ctx.model_id,
+            vad_model=shared_model,
+            vad_limiter=gate.vad_limiter,
+        )
+        session = RealtimeSession(_QuartTransport(), deps, dialect)
+        log.info("realtime %s opened (%s)", session.id, dialect.name)
+        await session.run()
+        log.info("realtime %s closed", session.id)
+    finally:
+        gate.leave()
+    return None
+
+
+__all__ = ["bp"]

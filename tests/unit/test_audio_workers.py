@@ -1,0 +1,222 @@
+"""The audio worker actors on fake engines: queue bound, timeout, cancellation, turn-taking."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from mlxcel.actors.audio.stt import SpeechToText, SttInfo, SttOptions
+from mlxcel.actors.audio.tts import TextToSpeech, TtsInfo
+from mlxcel.runtime.errors import InternalError, InvalidRequest, ServerBusy, Timeout
+from mlxcel.runtime.messages import Segment
+
+STT_INFO = SttInfo(model_id="fake-whisper", path=None, engine="fake", multilingual=False)
+TTS_INFO = TtsInfo(model_id="fake-voice", path=None, engine="fake", sample_rate=8000, voices=("v",))
+
+
+class FakeWhisper:
+    """One segment per second of audio; each segment waits for ``gate`` when one is given."""
+
+    def __init__(self, gate: threading.Event | None = None, delay: float = 0.0) -> None:
+        self.gate = gate
+        self.delay = delay
+        self.started: list[float] = []
+        self.segments_run = 0
+
+    def start(self, audio: Any, options: SttOptions) -> tuple[Iterator[Segment], str, float]:
+        seconds = len(audio) / 16000
+        self.started.append(seconds)
+        return self._segments(int(seconds), options), "en", seconds
+
+    def _segments(self, n: int, options: SttOptions) -> Iterator[Segment]:
+        for i in range(n):
+            if self.gate is not None:
+                self.gate.wait(10)
+            time.sleep(self.delay)
+            self.segments_run += 1
+            yield Segment(id=i, start=i, end=i + 1, text=f" s{i}", temperature=options.temperature)
+
+
+def audio(seconds: int) -> np.ndarray:
+    return np.zeros(16000 * seconds, dtype=np.float32)
+
+
+async def test_transcribe_collects_segments_in_order() -> None:
+    stt = SpeechToText(STT_INFO, FakeWhisper, queue_depth=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        result = await stt.transcribe(audio(3), temperature=0.4)
+        assert result.text == "s0 s1 s2"
+        assert [s.id for s in result.segments] == [0, 1, 2]
+        assert result.segments[0].temperature == 0.4
+        assert result.duration == 3
+        assert stt.queued == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_full_queue_is_server_busy_and_frees_up() -> None:
+    gate = threading.Event()
+    stt = SpeechToText(STT_INFO, lambda: FakeWhisper(gate), queue_depth=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        done = trio.Event()
+
+        async def first() -> None:
+            await stt.transcribe(audio(1))
+            done.set()
+
+        nursery.start_soon(first)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(ServerBusy):
+            await stt.transcribe(audio(1))
+        gate.set()
+        await done.wait()
+        # The first job is done: there is room again.
+        assert (await stt.transcribe(audio(2))).text == "s0 s1"
+        nursery.cancel_scope.cancel()
+
+
+async def test_timeout_is_504_and_drops_the_job() -> None:
+    gate = threading.Event()
+    whisper = FakeWhisper(gate)
+    stt = SpeechToText(STT_INFO, lambda: whisper, queue_depth=2, timeout=0.3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        with pytest.raises(Timeout):
+            await stt.transcribe(audio(5))
+        assert stt.queued == 0
+        gate.set()
+        # The abandoned job stops after the segment that was running; a new job runs in full.
+        assert (await stt.transcribe(audio(1))).text == "s0"
+        assert whisper.segments_run <= 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_cancelled_caller_drops_queued_work() -> None:
+    gate = threading.Event()
+    whisper = FakeWhisper(gate)
+    stt = SpeechToText(STT_INFO, lambda: whisper, queue_depth=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(stt.transcribe, audio(1))
+            await trio.sleep(0.2)
+            # Queued behind the first (blocked) job; its caller gives up (client disconnect).
+            with trio.move_on_after(0.2):
+                await stt.transcribe(audio(7))
+            gate.set()
+        # The 7-second job never started decoding.
+        assert whisper.started == [1]
+        assert stt.queued == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_long_job_does_not_block_a_short_one() -> None:
+    stt = SpeechToText(STT_INFO, lambda: FakeWhisper(delay=0.02), queue_depth=4)
+    order: list[int] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+
+        async def run(seconds: int) -> None:
+            await stt.transcribe(audio(seconds))
+            order.append(seconds)
+
+        async with trio.open_nursery() as callers:
+            callers.start_soon(run, 60)
+            await trio.sleep(0.05)
+            callers.start_soon(run, 1)
+        # Segments take turns, so the 1-second clip finishes before the 60-second one.
+        assert order == [1, 60]
+        nursery.cancel_scope.cancel()
+
+
+async def test_engine_errors_reach_the_caller_and_the_worker_lives() -> None:
+    class Picky(FakeWhisper):
+        def start(self, audio: Any, options: SttOptions) -> Any:
+            if options.language == "xx":
+                raise InvalidRequest("bad language", param="language")
+            if options.language == "boom":
+                raise RuntimeError("native crash")
+            return super().start(audio, options)
+
+    stt = SpeechToText(STT_INFO, Picky, queue_depth=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        with pytest.raises(InvalidRequest):
+            await stt.transcribe(audio(1), language="xx")
+        with pytest.raises(InternalError):
+            await stt.transcribe(audio(1), language="boom")
+        assert (await stt.transcribe(audio(1))).text == "s0"
+        nursery.cancel_scope.cancel()
+
+
+async def test_load_failure_is_reported_to_each_request() -> None:
+    def broken() -> FakeWhisper:
+        raise OSError("model.bin is truncated")
+
+    stt = SpeechToText(STT_INFO, broken, queue_depth=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        for _ in range(2):
+            with pytest.raises(InternalError, match="truncated"):
+                await stt.transcribe(audio(1))
+        nursery.cancel_scope.cancel()
+
+
+class FakeVoice:
+    """One chunk per sentence (split on '.'); counts what it synthesised."""
+
+    def __init__(self) -> None:
+        self.spoken: list[str] = []
+
+    def synthesize(self, text: str, voice: str, speed: float) -> Iterator[bytes]:
+        for sentence in filter(None, (s.strip() for s in text.split("."))):
+            self.spoken.append(sentence)
+            yield b"\x01\x00" * int(100 * len(sentence) / speed)
+
+
+async def test_synthesize_yields_one_chunk_per_sentence() -> None:
+    voice = FakeVoice()
+    tts = TextToSpeech(TTS_INFO, lambda: voice, queue_depth=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tts.run)
+        chunks = [c async for c in tts.synthesize("One. Three. Seven.", voice="alloy", speed=2.0)]
+        assert [len(c) for c in chunks] == [300, 500, 500]
+        assert tts.queued == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_closing_the_consumer_stops_synthesis() -> None:
+    voice = FakeVoice()
+    tts = TextToSpeech(TTS_INFO, lambda: voice, queue_depth=2)
+    text = ". ".join(f"Sentence {i}" for i in range(200))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tts.run)
+        async with contextlib.aclosing(tts.synthesize(text)) as chunks:  # type: ignore[type-var]
+            async for _ in chunks:
+                break
+        assert tts.queued == 0
+        await trio.sleep(0.3)
+        assert len(voice.spoken) < 50
+        nursery.cancel_scope.cancel()
+
+
+async def test_voice_and_speed_are_checked() -> None:
+    tts = TextToSpeech(TTS_INFO, FakeVoice, queue_depth=1)
+    assert tts.voice_for("shimmer") == "v"
+    assert tts.voice_for(None) == "v"
+    with pytest.raises(InvalidRequest) as caught:
+        tts.voice_for("nobody")
+    assert caught.value.param == "voice"
+    with pytest.raises(InvalidRequest):
+        tts.check_speed(4.5)
+    with pytest.raises(InvalidRequest):
+        tts.check_speed(float("nan"))

@@ -1,0 +1,91 @@
+"""A realtime session with a fake transport: a client that stops reading is dropped (close
+1008) once its outgoing queue is full, instead of holding anything up."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import trio
+
+from mlxcel.actors.realtime.protocol import VoiceChat
+from mlxcel.actors.realtime.vad import shared_model
+from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
+from mlxcel.runtime.messages import SamplingParams
+
+
+class StuckClient:
+    """Sends what the test queues; never reads what the server sends after the first event."""
+
+    def __init__(self) -> None:
+        self.inbox_tx, self.inbox_rx = trio.open_memory_channel[str](1000)
+        self.sent: list[str] = []
+        self.closed: tuple[int, str] | None = None
+
+    async def receive(self) -> str:
+        return await self.inbox_rx.receive()
+
+    async def send(self, data: str) -> None:
+        self.sent.append(data)
+        if len(self.sent) > 1:
+            await trio.sleep_forever()  # the client's TCP window is full
+
+    async def close(self, code: int, reason: str) -> None:
+        self.closed = (code, reason)
+
+
+class NoVoice:
+    sample_rate = 22_050
+
+    def voice_for(self, voice: str | None) -> str:
+        return "default"
+
+
+def deps(max_outbox_bytes: int) -> VoiceDeps:
+    return VoiceDeps(
+        admission=Any,  # type: ignore[arg-type]  # no answer is generated in these tests
+        stt=Any,  # type: ignore[arg-type]
+        tts=NoVoice(),  # type: ignore[arg-type]
+        sampling=SamplingParams(),
+        model_id="m",
+        vad_model=shared_model,
+        vad_limiter=trio.CapacityLimiter(1),
+        max_outbox_bytes=max_outbox_bytes,
+    )
+
+
+async def test_a_client_that_stops_reading_is_dropped_with_1008() -> None:
+    client = StuckClient()
+    session = RealtimeSession(client, deps(max_outbox_bytes=2000), VoiceChat(22_050))
+    client.inbox_tx.send_nowait(json.dumps({"type": "session.update", "session": {}}))
+    for _ in range(100):
+        client.inbox_tx.send_nowait(json.dumps({"type": "session.ping"}))
+    with trio.fail_after(10):
+        await session.run()
+    assert client.closed is not None and client.closed[0] == 1008
+    assert "too slow" in client.closed[1]
+
+
+async def test_two_sessions_one_stuck_the_other_served() -> None:
+    stuck, fine = StuckClient(), StuckClient()
+    fine_sent: list[str] = []
+
+    async def reads(data: str) -> None:
+        fine_sent.append(data)
+
+    fine.send = reads  # type: ignore[method-assign]
+    a = RealtimeSession(stuck, deps(2000), VoiceChat(22_050))
+    b = RealtimeSession(fine, deps(2000), VoiceChat(22_050))
+    for c in (stuck, fine):
+        c.inbox_tx.send_nowait(json.dumps({"type": "session.update", "session": {}}))
+        for _ in range(50):
+            c.inbox_tx.send_nowait(json.dumps({"type": "session.ping"}))
+    fine.inbox_tx.send_nowait(json.dumps({"type": "session.cancel"}))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(a.run)
+            n.start_soon(b.run)
+    pongs = [m for m in fine_sent if json.loads(m)["type"] == "session.pong"]
+    assert len(pongs) == 50
+    assert fine.closed == (1000, "session cancelled")
+    assert stuck.closed is not None and stuck.closed[0] == 1008

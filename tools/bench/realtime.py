@@ -1,0 +1,323 @@
+"""Realtime voice under load: N sessions, each speaking a ~2 s question every P seconds at
+real-time pace (80 ms frames, silence in between, server VAD ends each turn), not a test.
+
+    .venv/bin/python tools/bench/realtime.py                 # 8 sessions, 5 minutes
+    .venv/bin/python tools/bench/realtime.py --duration 120 --sessions 8
+
+Reports the time from the end of speech to the first ``response.audio.delta``, measured two
+ways: from the last spoken sample the client sent (what a user waits, including the VAD's
+silence window) and from the ``speech_stopped`` event (the turn's end as the server saw it).
+"Behind real time": the client paces frames on an absolute schedule; a session falls behind
+when its sends lag that schedule (backpressure) or when the server's ``speech_stopped`` comes
+later and later after the audio that ended the turn (the server cannot keep up with the
+incoming audio).
+
+Peer, measured in the same run on the same server while idle: the same cascade a client
+would do without the WebSocket, over HTTP, one question at a time -- transcription, a
+streamed chat completion up to its first sentence, then /v1/audio/speech up to its first
+audio byte. Ratio = realtime median / that peer median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import subprocess
+import sys
+import time
+import wave
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import trio
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from tests.support.realtime import connect, frames, silence, spoken  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Tell me a fact about the moon.",
+    "Why is the sky blue?",
+]
+FRAME_S = 0.08
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
+    port = args.port
+    cmd = [sys.executable, "-m", "mlxcel", "serve", "--port", str(port)]
+    cmd += ["--realtime-max-sessions", str(args.sessions), "--parallel", str(args.sessions)]
+    if args.model:
+        cmd += ["-m", args.model]
+    log = open(os.environ.get("TMPDIR", "/tmp") + f"/mlxcel-bench-realtime-{port}.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited early; see {log.name}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("server did not start")
+
+
+def wav_bytes(pcm: np.ndarray, rate: int = 16_000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def peer_once(base: str, pcm: np.ndarray, max_tokens: int) -> float:
+    """Seconds from 'end of speech' to the first audio byte through the plain HTTP routes."""
+    with httpx.Client(base_url=base, timeout=300) as http:
+        t0 = time.perf_counter()
+        text = http.post(
+            "/v1/audio/transcriptions",
+            files={"file": ("q.wav", wav_bytes(pcm), "audio/wav")},
+            data={"model": "whisper-1"},
+        ).json()["text"]
+        sentence = ""
+        body = {
+            "model": "default",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "messages": [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": text},
+            ],
+        }
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            import json
+
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                sentence += delta
+                if any(p in delta for p in ".!?") and len(sentence) > 8:
+                    break
+        with http.stream(
+            "POST",
+            "/v1/audio/speech",
+            json={
+                "model": "tts-1",
+                "input": sentence or "Okay.",
+                "voice": "alloy",
+                "response_format": "pcm",
+            },
+        ) as r:
+            for chunk in r.iter_bytes():
+                if chunk:
+                    return time.perf_counter() - t0
+    return float("nan")
+
+
+class Session:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.question = spoken(QUESTIONS[index % len(QUESTIONS)])
+        self.spoken_end: list[float] = []  # when the last speech frame of each turn was sent
+        self.stop_due: list[float] = []  # when the turn's trailing silence (VAD window) ended
+        self.stopped_at: list[float] = []
+        self.first_audio: list[float] = []
+        self.send_lag: list[float] = []
+        self.errors: list[str] = []
+        self._awaiting_audio = False
+        # Stage times of answered turns: stop -> transcript -> first text -> first audio.
+        self.stages: list[tuple[float, float, float]] = []
+        self._marks: dict[str, float] = {}
+
+    async def run(self, base: str, args: argparse.Namespace, start_at: float) -> None:
+        await trio.sleep_until(start_at)
+        async with connect(base) as c:
+            await c.recv()
+            await c.send(
+                {
+                    "type": "session.update",
+                    "session": {
+                        "system_prompt": "Answer briefly.",
+                        "max_response_output_tokens": args.max_tokens,
+                        "turn_detection": {
+                            "type": "server_vad",
+                            "silence_duration_ms": args.silence_ms,
+                        },
+                        "max_streaming_seconds": 600,
+                    },
+                }
+            )
+            async with trio.open_nursery() as n:
+                n.start_soon(self._receive, c)
+                await self._send(c, args)
+                # Let the last answers arrive (keep the session alive with silence meanwhile).
+                quiet = frames(silence(FRAME_S))[0]
+                with trio.move_on_after(120):
+                    while self._awaiting_audio or len(self.stopped_at) < len(self.spoken_end):
+                        await c.send({"type": "input_audio_buffer.append", "audio": quiet})
+                        await trio.sleep(FRAME_S)
+                n.cancel_scope.cancel()
+
+    async def _send(self, c: Any, args: argparse.Namespace) -> None:
+        period_frames = int(args.period / FRAME_S)
+        q_frames = frames(self.question)
+        quiet = frames(silence(FRAME_S))[0]
+        t0 = trio.current_time()
+        end = t0 + args.duration
+        k = 0
+        while True:
+            due = t0 + k * FRAME_S
+            if due >= end:
+                return
+            await trio.sleep_until(due)
+            self.send_lag.append(trio.current_time() - due)
+            pos = k % period_frames
+            frame = q_frames[pos] if pos < len(q_frames) else quiet
+            await c.send({"type": "input_audio_buffer.append", "audio": frame})
+            if pos == len(q_frames) - 1:
+                now = trio.current_time()
+                self.spoken_end.append(now)
+                self.stop_due.append(now + args.silence_ms / 1000)
+            k += 1
+
+    async def _receive(self, c: Any) -> None:
+        while True:
+            event = await c.recv(timeout=3600)
+            kind = event["type"]
+            now = trio.current_time()
+            if kind == "input_audio_buffer.speech_stopped":
+                self.stopped_at.append(now)
+                self._awaiting_audio = True
+                self._marks = {"stop": now}
+            elif kind == "conversation.item.input_audio_transcription.completed":
+                self._marks.setdefault("transcript", now)
+            elif kind == "response.text.delta":
+                self._marks.setdefault("text", now)
+            elif kind == "response.audio.delta" and self._awaiting_audio:
+                self.first_audio.append(now)
+                self._awaiting_audio = False
+                m = self._marks
+                if {"stop", "transcript", "text"} <= m.keys():
+                    self.stages.append(
+                        (m["transcript"] - m["stop"], m["text"] - m["transcript"], now - m["text"])
+                    )
+            elif kind == "error":
+                self.errors.append(event["error"].get("code", "?"))
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def run_sessions(base: str, args: argparse.Namespace) -> list[Session]:
+    sessions = [Session(i) for i in range(args.sessions)]
+    t0 = trio.current_time() + 1
+    async with trio.open_nursery() as n:
+        for s in sessions:
+            # Spread the questions over the period, as independent users would.
+            n.start_soon(s.run, base, args, t0 + s.index * args.period / args.sessions)
+    return sessions
+
+
+def report(sessions: list[Session], peer: list[float], args: argparse.Namespace) -> None:
+    from_speech: list[float] = []
+    from_stop: list[float] = []
+    server_lag: list[tuple[float, float]] = []
+    asked = answered = 0
+    for s in sessions:
+        asked += len(s.spoken_end)
+        for stop in s.stopped_at:
+            # The spoken end just before this stop is the turn it closed.
+            ends = [e for e in s.spoken_end if e <= stop]
+            dues = [d for d in s.stop_due if d - args.silence_ms / 1000 <= stop]
+            audio = [a for a in s.first_audio if a >= stop]
+            if dues:
+                server_lag.append((stop, stop - dues[-1]))
+            if ends and audio:
+                answered += 1
+                from_speech.append(audio[0] - ends[-1])
+                from_stop.append(audio[0] - stop)
+    lag_sorted = [lag for _, lag in sorted(server_lag)]
+    third = max(1, len(lag_sorted) // 3)
+    send_lag = max((max(s.send_lag) for s in sessions if s.send_lag), default=0.0)
+    errors = sorted({e for s in sessions for e in s.errors})
+    med = statistics.median(from_speech) if from_speech else float("nan")
+    peer_med = statistics.median(peer) if peer else float("nan")
+    print(f"sessions {args.sessions}, {args.duration:g} s, a question every {args.period:g} s")
+    print(f"questions asked {asked}, answered with audio {answered}")
+    print(
+        f"end of speech -> first audio: median {med:.2f} s, p90 {pct(from_speech, 0.9):.2f} s "
+        f"(includes the {args.silence_ms} ms VAD silence window)"
+    )
+    print(
+        f"speech_stopped -> first audio: median {pct(from_stop, 0.5):.2f} s, "
+        f"p90 {pct(from_stop, 0.9):.2f} s"
+    )
+    print(f"peer (HTTP cascade, one at a time, idle): median {peer_med:.2f} s over {len(peer)}")
+    print(f"ratio realtime/peer: {med / peer_med:.2f}x")
+    first = statistics.median(lag_sorted[:third]) if lag_sorted else float("nan")
+    last = statistics.median(lag_sorted[-third:]) if lag_sorted else float("nan")
+    behind = send_lag > 1.0 or (last - first) > 1.0
+    print(
+        f"server VAD lag (speech_stopped after its audio): first third {first:.2f} s, last third "
+        f"{last:.2f} s; max client send lag {send_lag:.2f} s -> "
+        + ("FELL BEHIND real time" if behind else "kept up with real time")
+    )
+    stages = [st for s in sessions for st in s.stages]
+    if stages:
+        stt, llm, tts = (statistics.median(x) for x in zip(*stages, strict=True))
+        print(
+            f"median stages: speech_stopped -> transcript {stt:.2f} s, -> first text "
+            f"{llm:.2f} s, -> first audio {tts:.2f} s"
+        )
+    print(f"errors: {errors or 'none'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of speaking per session")
+    p.add_argument("--period", type=float, default=10.0, help="seconds between questions")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--silence-ms", type=int, default=400, help="server VAD silence window")
+    p.add_argument("--model", default=None, help="chat model (default: the embedded SmolLM2)")
+    p.add_argument("--url", default=None, help="use a running server instead of starting one")
+    p.add_argument("--port", type=int, default=18940)
+    p.add_argument("--peer-runs", type=int, default=3)
+    args = p.parse_args()
+    proc = None
+    base = args.url
+    if base is None:
+        proc, base = start_server(args)
+    try:
+        for q in QUESTIONS:
+            spoken(q)  # synthesize the questions before any timing
+        peer = []
+        for i in range(args.peer_runs + 1):
+            secs = peer_once(base, spoken(QUESTIONS[i % len(QUESTIONS)]), args.max_tokens)
+            if i:  # the first run loads the models
+                peer.append(secs)
+        sessions = trio.run(run_sessions, base, args)
+        report(sessions, peer, args)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
