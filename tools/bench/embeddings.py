@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,15 +33,18 @@ MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 PEER = r"""
 import json, sys, time, torch
 from sentence_transformers import SentenceTransformer
-path, batch = sys.argv[1], int(sys.argv[2])
+path, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if threads:
+    torch.set_num_threads(threads)
 sentences = json.loads(sys.stdin.readline())
 model = SentenceTransformer(path, device="cpu")
 model.encode(sentences[:batch], batch_size=batch)
 print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
 for _ in sys.stdin:
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     out = model.encode(sentences, batch_size=batch, normalize_embeddings=True)
-    print(json.dumps({"secs": time.perf_counter() - t, "first": out[0][:4].tolist()}), flush=True)
+    print(json.dumps({"secs": time.perf_counter() - t, "cpu": time.process_time() - c,
+                      "first": out[0][:4].tolist()}), flush=True)
 """
 
 
@@ -58,10 +62,10 @@ class Ours:
         self.model = load_embedder(resolve_embedding_model(MODEL), role="embedding")
         self.batch = batch
 
-    def run(self, texts: list[str]) -> tuple[float, list[float]]:
+    def run(self, texts: list[str]) -> tuple[float, float, list[float]]:
         import numpy as np
 
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         encoded = self.model.encode_texts(texts)
         # What the worker does: length-sorted micro-batches.
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
@@ -69,15 +73,15 @@ class Ours:
         for start in range(0, len(order), self.batch):
             idx = order[start : start + self.batch]
             out[idx] = self.model.forward([encoded[i] for i in idx])
-        secs = time.perf_counter() - t
+        secs, cpu = time.perf_counter() - t, time.process_time() - c
         first = out[0] / np.linalg.norm(out[0])
-        return secs, first[:4].tolist()
+        return secs, cpu, first[:4].tolist()
 
 
 class Peer:
-    def __init__(self, python: str, path: str, batch: int, texts: list[str]) -> None:
+    def __init__(self, python: str, path: str, batch: int, threads: int, texts: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [python, "-c", PEER, path, str(batch)],
+            [python, "-c", PEER, path, str(batch), str(threads)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -97,10 +101,11 @@ class Peer:
             raise RuntimeError(f"the peer exited ({self.proc.wait()})")
         return json.loads(line)  # type: ignore[no-any-return]
 
-    def run(self) -> tuple[float, list[float]]:
+    def run(self) -> tuple[float, float, list[float]]:
         self._send("run")
         result = self._read()
-        return float(result["secs"]), list(result["first"])  # type: ignore[arg-type]
+        first = list(result["first"])  # type: ignore[call-overload]
+        return float(result["secs"]), float(result["cpu"]), first  # type: ignore[arg-type]
 
     def close(self) -> None:
         assert self.proc.stdin is not None
@@ -116,6 +121,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--st-python", default="/tmp/st-venv/bin/python")
+    p.add_argument(
+        "--peer-threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads for the peer (0: torch's default); for a per-core "
+        "comparison use 1 here and OPENBLAS_NUM_THREADS=1 for mlxcel",
+    )
     args = p.parse_args()
     path = packaged_model_dir(MODEL)
     if path is None:
@@ -124,24 +136,32 @@ def main() -> int:
     texts = sentences(args.n)
     ours = Ours(args.batch)
     ours.run(texts[: args.batch])
-    peer = Peer(args.st_python, str(path), args.batch, texts)
+    peer = Peer(args.st_python, str(path), args.batch, args.peer_threads, texts)
     mine: list[float] = []
     theirs: list[float] = []
     try:
         for i in range(args.rounds):
-            secs, ours_first = ours.run(texts)
+            secs, cpu, ours_first = ours.run(texts)
             mine.append(args.n / secs)
-            secs, peer_first = peer.run()
+            ours_cpu = cpu * 1e3 / args.n
+            secs, cpu, peer_first = peer.run()
             theirs.append(args.n / secs)
+            # CPU ms per sentence: the work done, steadier than wall time under load (it
+            # counts spinning BLAS / OpenMP threads too).
             print(
                 f"round {i + 1}: mlxcel {mine[-1]:.0f}, sentence-transformers {theirs[-1]:.0f} "
-                f"sent/s, ratio {mine[-1] / theirs[-1]:.2f}x",
+                f"sent/s, ratio {mine[-1] / theirs[-1]:.2f}x; CPU ms/sentence "
+                f"{ours_cpu:.1f} vs {cpu * 1e3 / args.n:.1f}; load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
     finally:
         peer.close()
     ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
-    print(f"sentences: {args.n}, batch {args.batch}, torch threads {peer.threads}")
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    print(
+        f"sentences: {args.n}, batch {args.batch}, torch threads {peer.threads}, "
+        f"OPENBLAS_NUM_THREADS {blas}"
+    )
     print("| implementation | sentences/s, median (best) |\n|---|---|")
     print(f"| mlxcel (MLX, float32, OpenBLAS) | {statistics.median(mine):.0f} ({max(mine):.0f}) |")
     print(

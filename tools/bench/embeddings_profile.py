@@ -115,7 +115,8 @@ def main() -> int:
         ).stdout
         torch_ms = dict(line.split("\t") for line in out.splitlines() if "\t" in line)
     print(f"one layer, batch {b} x {n} tokens (best of {args.reps})")
-    print("| step | times per layer | mlx wall ms | mlx CPU ms | torch wall ms |\n|---|---|---|---|---|")
+    print("| step | times per layer | mlx wall ms | mlx CPU ms | torch wall ms |")
+    print("|---|---|---|---|---|")
     total = 0.0
     for name, count, fn in steps:
         wall, cpu = best_of(fn, args.reps)
