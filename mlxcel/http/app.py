@@ -23,7 +23,7 @@ from mlxcel.http import (
 )
 from mlxcel.http import realtime as realtime_ws
 from mlxcel.http.context import ServerContext
-from mlxcel.http.errors import Family, error_response, unexpected
+from mlxcel.http.errors import Family, drain_body, error_response, unexpected
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,14 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:
+        await drain_body()
         return error_response(error, _family())
 
     @app.errorhandler(HTTPException)
     async def _http(error: HTTPException) -> Response:
         code = error.code or 500
+        if code != 413:
+            await drain_body()
         mapped: MlxcelError
         if code == 404:
             mapped = NotFound(f"Route {request.method} {request.path} not found")
@@ -88,6 +91,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.errorhandler(Exception)
     async def _other(error: Exception) -> Response:
+        await drain_body()
         return error_response(unexpected(error), _family())
 
     return app

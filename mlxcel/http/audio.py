@@ -28,7 +28,7 @@ from mlxcel.actors.audio.stt import SpeechToText
 from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.http import audio_wire as wire
 from mlxcel.http.context import ServerContext, server
-from mlxcel.http.errors import error_response
+from mlxcel.http.errors import drain_body, error_response
 from mlxcel.runtime.errors import (
     InvalidRequest,
     NotFound,
@@ -79,16 +79,9 @@ async def _too_large(error: RequestEntityTooLarge) -> Response:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-async def _drain_body() -> None:
-    """Read the request body before answering early: Hypercorn leaves a keep-alive connection
-    hanging when a response goes out before the request body was read."""
-    with contextlib.suppress(RequestEntityTooLarge):
-        await request.get_data(cache=False)
-
-
 async def _stt(ctx: ServerContext) -> SpeechToText:
     if ctx.stt is None:
-        await _drain_body()
+        await drain_body()
         raise NotImplementedRoute(
             "audio model kind not loaded: stt. This server has no speech-to-text model; start "
             "it without --no-audio, with --stt-model <model>."
@@ -98,7 +91,7 @@ async def _stt(ctx: ServerContext) -> SpeechToText:
 
 async def _tts(ctx: ServerContext) -> TextToSpeech:
     if ctx.tts is None:
-        await _drain_body()
+        await drain_body()
         raise NotImplementedRoute(
             "audio model kind not loaded: tts. This server has no text-to-speech voice; start "
             "it without --no-audio, with --tts-model <voice> (or install piper-tts / espeak-ng)."

@@ -121,7 +121,8 @@ def parse_inputs(value: Any, info: EmbedderInfo, key: str = "input") -> tuple[Em
             bad = next((t for t in item if not 0 <= t < info.vocab_size), None)
             if bad is not None:
                 raise InvalidRequest(
-                    f"'{where}' has token id {bad}, outside the vocabulary (0..{info.vocab_size - 1})",
+                    f"'{where}' has token id {bad}, "
+                    f"outside the vocabulary (0..{info.vocab_size - 1})",
                     param=key,
                 )
             if len(item) > info.max_length:
