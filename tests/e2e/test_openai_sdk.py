@@ -130,7 +130,8 @@ def test_completions_stream_and_non_stream(
 
 def test_models_list_and_model_names(openai_client: openai.OpenAI, tiny_model_dir: Any) -> None:
     models = openai_client.models.list().data
-    assert [m.id for m in models] == [tiny_model_dir.name]
+    # The chat model first, then the packaged speech models served beside it.
+    assert [m.id for m in models] == [tiny_model_dir.name, "whisper-tiny.en", "en_US-joe-medium"]
     for name in (models[0].id, "default"):
         r = openai_client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=2)
         assert r.model == models[0].id
