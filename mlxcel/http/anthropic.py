@@ -37,7 +37,12 @@ PING = sse.event("ping", {"type": "ping"})
 async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, str]:
     """The converted request and the served model id; 400 for what this model cannot do."""
     require_generation(ctx.generation)
-    req = messages_request(await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer))
+    req = messages_request(
+        await read_json(),
+        ctx.settings.sampling,
+        len(ctx.info.tokenizer),
+        ctx.settings.reasoning_budget,
+    )
     model = ctx.check_model(req.body.model)
     gen = req.generation
     if (gen.parse_tools or isinstance(gen.constraint, ForcedToolCall)) and ctx.tool_format is None:

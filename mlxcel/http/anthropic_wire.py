@@ -433,7 +433,10 @@ class MessagesRequest:
 
 
 def messages_request(
-    data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
+    data: Any,
+    defaults: SamplingParams = PLAIN_SAMPLING,
+    vocab_size: int | None = None,
+    reasoning_budget: int = -1,
 ) -> MessagesRequest:
     """Validate a Messages body (400 naming the field) and convert it for the pipeline."""
     body = structure(data, MessagesBody)
@@ -441,6 +444,8 @@ def messages_request(
     tools = _tools(body.tools)
     plan = _tool_choice(body.tool_choice, tools)
     kwargs, budget, thinking = _thinking(body.thinking)
+    if budget is None and reasoning_budget >= 0:
+        budget = reasoning_budget  # no cap asked for: the server's --reasoning-budget
     effort, schema = _output_config(body.output_config)
     kwargs.update(effort)
     if prefill:

@@ -253,7 +253,12 @@ async def create() -> Response:
     history, conv = await load_history(store, body)
     rid = new_id("resp")
     gen = generation_request(
-        body, rid, [*history, *items], ctx.settings.sampling, len(ctx.info.tokenizer)
+        body,
+        rid,
+        [*history, *items],
+        ctx.settings.sampling,
+        len(ctx.info.tokenizer),
+        ctx.settings.reasoning_budget,
     )
     if gen.parse_tools and ctx.tool_format is None:
         raise InvalidRequest(

@@ -401,6 +401,7 @@ def generation_request(
     history: list[dict[str, Any]],
     defaults: SamplingParams = PLAIN_SAMPLING,
     vocab_size: int | None = None,
+    reasoning_budget: int = -1,
 ) -> GenerationRequest:
     """The internal request for ``history`` (earlier turns plus this input, as items)."""
     messages = chat_messages(history)
@@ -418,6 +419,8 @@ def generation_request(
             param="tool_choice",
         )
     kwargs, budget = _reasoning(body.reasoning)
+    if budget is None and reasoning_budget >= 0:
+        budget = reasoning_budget  # no cap asked for: the server's --reasoning-budget
     wants_logprobs = body.top_logprobs is not None or "message.output_text.logprobs" in (
         body.include or ()
     )

@@ -371,9 +371,22 @@ def test_server_default_budget_flag(tmp_path: Path) -> None:
         with _client(server) as client:
             closed, _, _ = _think(client, -1)
             r = client.chat.completions.create(model="default", messages=ASK, max_tokens=20, seed=9)
+            # The flag is the default of the Anthropic and Responses routes too.
+            anthropic = httpx.post(
+                f"{server.base_url}/v1/messages",
+                json={"max_tokens": 20, "messages": ASK},
+                timeout=60,
+            ).json()
+            responses = httpx.post(
+                f"{server.base_url}/v1/responses",
+                json={"max_output_tokens": 20, "input": "Describe a person.", "store": False},
+                timeout=60,
+            ).json()
         assert closed is None  # the request's -1 wins over the flag
         assert not r.choices[0].message.model_dump().get("reasoning_content")
         assert r.choices[0].message.content
+        assert [b["type"] for b in anthropic["content"]] == ["text"]
+        assert [o["type"] for o in responses["output"]] == ["message"]
     finally:
         server.stop()
 
