@@ -72,7 +72,12 @@ class Transport(Protocol):
 
 class SpeechToText(Protocol):
     async def transcribe(
-        self, audio: np.ndarray, *, language: str | None = ..., prompt: str | None = ...
+        self,
+        audio: np.ndarray,
+        *,
+        language: str | None = ...,
+        prompt: str | None = ...,
+        greedy: bool = ...,
     ) -> Any: ...
 
 
@@ -457,7 +462,10 @@ class RealtimeSession:
     async def _transcribe(self, item_id: str, audio: np.ndarray) -> str:
         try:
             result = await self._deps.stt.transcribe(
-                audio, language=self.cfg.language, prompt=self.cfg.transcription_prompt
+                audio,
+                language=self.cfg.language,
+                prompt=self.cfg.transcription_prompt,
+                greedy=True,  # a live turn waits on this: no beam search
             )
         except MlxcelError as error:
             self._error("inference_error", f"transcription failed: {error.message}")

@@ -41,6 +41,9 @@ def tts_info(model: TtsModel) -> TtsInfo:
     )
 
 
+GREEDY = {"beam_size": 1, "best_of": 1, "without_timestamps": True}
+
+
 class FasterWhisper:
     # int8 is the fastest CPU kernel CTranslate2 has, and what faster-whisper suggests for CPU.
     COMPUTE_TYPE = "int8"
@@ -76,6 +79,7 @@ class FasterWhisper:
             initial_prompt=options.prompt or None,
             temperature=temperature,
             word_timestamps=options.word_timestamps,
+            **(GREEDY if options.greedy else {}),
         )
         return _segments(segments), info.language, float(info.duration)
 

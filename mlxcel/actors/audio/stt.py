@@ -57,6 +57,9 @@ class SttOptions:
     temperature: float = 0.0
     task: Task = "transcribe"
     word_timestamps: bool = False
+    # Greedy decoding without timestamps (beam 1): what a live voice turn wants, about twice
+    # as fast as the beam of 5 that transcription requests get (faster-whisper's default).
+    greedy: bool = False
 
 
 class SttBackend(Protocol):
@@ -160,6 +163,7 @@ class SpeechToText:
         temperature: float = 0.0,
         task: Task = "transcribe",
         word_timestamps: bool = False,
+        greedy: bool = False,
     ) -> Transcription:
         """Transcribe ``audio`` (float32 mono 16 kHz numpy samples), or translate it to English.
 
@@ -175,6 +179,7 @@ class SpeechToText:
             temperature=temperature,
             task=task,
             word_timestamps=word_timestamps,
+            greedy=greedy,
         )
         job = _TranscribeJob(audio, options)
         self._worker.admit(job)
