@@ -351,5 +351,6 @@ def test_no_audio_server_answers_501(tiny_model_dir: Path) -> None:
         assert "--tts-model" in caught.value.message
         ids = {m.id for m in c.models.list().data}
         assert "whisper-tiny.en" not in ids and "en_US-joe-medium" not in ids
+        c.close()
     finally:
         server.stop()

@@ -288,6 +288,8 @@ def test_sdk_with_and_without_key(ops_server: ServerProcess) -> None:
     bad = openai.OpenAI(base_url=f"{ops_server.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+    good.close()
+    bad.close()
 
 
 def test_body_over_2_mib_is_413_in_the_openai_envelope(tiny_server: ServerProcess) -> None:

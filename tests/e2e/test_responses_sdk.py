@@ -15,14 +15,27 @@ import pytest
 
 from tests.conftest import ServerProcess
 
+_OPEN: list[openai.OpenAI] = []
+
 
 def sdk(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
+    client = openai.OpenAI(
         base_url=f"{server.base_url}/v1",
         api_key="unused",
         max_retries=0,
         _strict_response_validation=True,
     )
+    _OPEN.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    # A client left to the garbage collector warns about its pooled socket in whichever test
+    # runs then (filterwarnings = error), e.g. after its server was killed.
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
 
 
 @pytest.fixture(scope="module")
