@@ -33,6 +33,7 @@ import numpy as np
 import trio
 
 from mlxcel.actors.admission import Admission
+from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.actors.realtime.audio import (
     FRAME_SAMPLES,
     STT_RATE,
@@ -62,6 +63,13 @@ MAX_HISTORY_ITEMS = 64
 # Longest audio delta sent in one event, in seconds (finer pieces start playback sooner and
 # let barge-in drop more of what was not heard).
 AUDIO_DELTA_SECONDS = 0.25
+# How far ahead of the client's playback an answer is spoken. Speech costs ~0.17 s of CPU per
+# second of audio here, and a barge-in throws away whatever was spoken but not yet heard, so
+# an answer is synthesized only this far ahead: enough to ride out a busy moment, while the
+# CPU goes to turns that are waiting for their first word.
+SPEAK_AHEAD_SECONDS = 2.5
+# Speak the words there are (not the whole sentence) when the client's audio runs out sooner.
+HURRY_SECONDS = 1.5
 
 
 class Transport(Protocol):
@@ -88,7 +96,12 @@ class TextToSpeech(Protocol):
     def voice_for(self, voice: str | None) -> str: ...
 
     def synthesize(
-        self, text: str, *, voice: str | None = ..., speed: float = ...
+        self,
+        text: str,
+        *,
+        voice: str | None = ...,
+        speed: float = ...,
+        deadline: float | None = ...,
     ) -> AsyncIterator[bytes]: ...
 
 
@@ -115,6 +128,18 @@ class Item:
     text: str
 
 
+@attrs.define(eq=False)
+class EarlyTranscript:
+    """A transcription started at a VAD pause, while the silence that ends the turn is still
+    being waited out: when the turn does end there, its transcript is (nearly) ready. Speech
+    coming back cancels it; the audio after the pause is silence, so it reads the same."""
+
+    item_id: str
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: Any = None  # None: cancelled or failed (the turn then transcribes itself)
+
+
 @attrs.frozen
 class Turn:
     """Committed user audio: transcribe it, then answer if ``respond``."""
@@ -122,6 +147,7 @@ class Turn:
     item_id: str
     audio: np.ndarray = attrs.field(eq=False)
     respond: bool
+    early: EarlyTranscript | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
@@ -155,6 +181,7 @@ class RealtimeSession:
         self._resampler_rate = STT_RATE
         self._vad: VadStream | None = None
         self._speech_item: str | None = None
+        self._early: EarlyTranscript | None = None
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[Job](MAX_PENDING_JOBS)
         self._history: list[Item] = []
         self._active: tuple[ResponseState, trio.CancelScope] | None = None
@@ -282,6 +309,7 @@ class RealtimeSession:
         elif kind == "input_audio_buffer.commit":
             self._commit()
         elif kind == "input_audio_buffer.clear":
+            self._drop_early()
             self._buffer.clear()
             if self._vad is not None:
                 self._vad.reset()
@@ -327,6 +355,7 @@ class RealtimeSession:
             )
         )
         self._speech_item = None
+        self._drop_early()
 
     async def _append(self, event: dict[str, Any]) -> None:
         rate = (
@@ -371,7 +400,11 @@ class RealtimeSession:
                 # Keep the speech and the padding before it; drop older silence.
                 pad = td.prefix_padding_ms * STT_RATE // 1000
                 self._buffer.drop_front(ev.sample - pad - self._buffer.start_sample)
-            elif self._speech_item is not None:
+            elif ev.kind == "pause" and self._speech_item is not None:
+                self._start_early(self._speech_item)
+            elif ev.kind == "resume":
+                self._drop_early()
+            elif ev.kind == "stop" and self._speech_item is not None:
                 self._emit(*self._d.speech_stopped(self._speech_item, ms))
                 self.turn_ended_at = trio.current_time()
                 self._commit(self._speech_item, respond=td.create_response)
@@ -389,6 +422,10 @@ class RealtimeSession:
         if item_id is None:
             self.turn_ended_at = trio.current_time()
         item_id = item_id or new_id("item")
+        early, self._early = self._early, None
+        if early is not None and early.item_id != item_id:
+            early.scope.cancel()
+            early = None
         previous = self._history[-1].id if self._history else None
         audio = self._buffer.take()
         if self._vad is not None:
@@ -404,7 +441,35 @@ class RealtimeSession:
         td = self.cfg.turn_detection
         if td is None or td.interrupt_response:
             self._cancel_response("turn_detected")
-        self._queue(Turn(item_id, audio, respond))
+        self._queue(Turn(item_id, audio, respond, early))
+
+    def _start_early(self, item_id: str) -> None:
+        self._drop_early()
+        early = self._early = EarlyTranscript(item_id)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._transcribe_early, early, self._buffer.peek())
+
+    def _drop_early(self) -> None:
+        if self._early is not None:
+            self._early.scope.cancel()
+            self._early = None
+
+    async def _transcribe_early(self, early: EarlyTranscript, audio: np.ndarray) -> None:
+        try:
+            with early.scope:
+                early.result = await self._stt(audio)
+        except MlxcelError:
+            pass  # the turn, if it ends, transcribes itself and reports the error
+        finally:
+            early.done.set()
+
+    async def _stt(self, audio: np.ndarray) -> Any:
+        return await self._deps.stt.transcribe(
+            audio,
+            language=self.cfg.language,
+            prompt=self.cfg.transcription_prompt,
+            greedy=True,  # a live turn waits on this: no beam search, a short window
+        )
 
     def _queue(self, job: Job) -> None:
         try:
@@ -445,8 +510,8 @@ class RealtimeSession:
     async def _responder(self) -> None:
         async for job in self._jobs_rx:
             match job:
-                case Turn(item_id, audio, respond):
-                    text = await self._transcribe(item_id, audio)
+                case Turn(item_id, audio, respond, early):
+                    text = await self._transcribe(item_id, audio, early)
                     if text and respond:
                         await self._respond(Respond())
                     elif not self.cfg.multi_turn and self._out.closing is None:
@@ -459,17 +524,19 @@ class RealtimeSession:
                     if item.role == "user":
                         self._emit(*self._d.user_item(item.id, previous, item.text))
 
-    async def _transcribe(self, item_id: str, audio: np.ndarray) -> str:
-        try:
-            result = await self._deps.stt.transcribe(
-                audio,
-                language=self.cfg.language,
-                prompt=self.cfg.transcription_prompt,
-                greedy=True,  # a live turn waits on this: no beam search
-            )
-        except MlxcelError as error:
-            self._error("inference_error", f"transcription failed: {error.message}")
-            return ""
+    async def _transcribe(
+        self, item_id: str, audio: np.ndarray, early: EarlyTranscript | None
+    ) -> str:
+        result = None
+        if early is not None:
+            await early.done.wait()
+            result = early.result
+        if result is None:
+            try:
+                result = await self._stt(audio)
+            except MlxcelError as error:
+                self._error("inference_error", f"transcription failed: {error.message}")
+                return ""
         text = str(result.text).strip()
         self._emit(*self._d.transcript(item_id, text))
         if text:
@@ -522,9 +589,12 @@ class RealtimeSession:
             sampling=sampling,
             max_tokens=job.max_output_tokens or cfg.max_output_tokens,
             cache_key="",
+            # Someone is waiting in silence: the high lane, which also skips the join window.
+            priority=0,
         )
         slot = self._deps.admission.submit(gen)
         splitter = SentenceSplitter()
+        out_rate = self.cfg.output_rate
         async with trio.open_nursery() as n:
             pieces_tx, pieces_rx = trio.open_memory_channel[str](64)
             if r.output_audio:
@@ -539,7 +609,9 @@ class RealtimeSession:
                             r.text += update.text
                             self._emit(*self._d.text_delta(r, update.text), response_id=r.id)
                             if r.output_audio:
-                                for piece in splitter.feed(update.text):
+                                hurry = _starving(r, out_rate)
+                                for piece in splitter.feed(update.text, hurry=hurry):
+                                    r.pieces_pending += 1
                                     await pieces_tx.send(piece)
                         if update.finish_reason is not None:
                             break
@@ -547,6 +619,7 @@ class RealtimeSession:
                     r.output_tokens = slot.completion_tokens
                     slot.cancel()
                 if r.output_audio and (rest := splitter.flush()):
+                    r.pieces_pending += 1
                     await pieces_tx.send(rest)
 
     async def _speak(self, r: ResponseState, pieces: trio.MemoryReceiveChannel[str]) -> None:
@@ -556,7 +629,18 @@ class RealtimeSession:
         step = int(AUDIO_DELTA_SECONDS * out_rate)
         async for piece in pieces:
             index: int | None = None
-            speech = tts.synthesize(piece, voice=self.cfg.voice, speed=self.cfg.speed)
+            # The TTS worker serves the earliest deadline first: the first piece is wanted
+            # now; each later one when the client will have played what came before it.
+            playback_from = r.playback_from
+            deadline = None if playback_from is None else playback_from + r.audio_samples / out_rate
+            if (
+                deadline is not None
+                and (wait := deadline - SPEAK_AHEAD_SECONDS - AudioWorker.now()) > 0
+            ):
+                await trio.sleep(wait)
+            speech = tts.synthesize(
+                piece, voice=self.cfg.voice, speed=self.cfg.speed, deadline=deadline
+            )
             # An async generator: closed promptly when the answer is cancelled mid-sentence.
             async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], speech)):
                 async for chunk in speech:
@@ -566,6 +650,8 @@ class RealtimeSession:
                     for start in range(0, pcm.size, step):
                         part = pcm[start : start + step]
                         first = index is None
+                        if r.playback_from is None:
+                            r.playback_from = AudioWorker.now()
                         if index is None:
                             # The piece counts as heard from its first audio on.
                             index = len(r.spoken_pieces)
@@ -584,6 +670,17 @@ class RealtimeSession:
                                 first_of_piece=index if first else None,
                             )
                         r.audio_samples += part.size
+            r.pieces_pending -= 1
+
+
+def _starving(r: ResponseState, out_rate: int) -> bool:
+    """Will the client run out of this answer's audio soon, with nothing more on the way?
+    Then the text-to-speech takes whatever whole words there are rather than waiting for the
+    sentence to end (a gap in a spoken answer is worse than a phrase break)."""
+    if r.playback_from is None or r.pieces_pending > 0:
+        return False
+    runs_dry = r.playback_from + r.audio_samples / out_rate
+    return runs_dry - AudioWorker.now() < HURRY_SECONDS
 
 
 def _respond_job(response: object) -> Respond:

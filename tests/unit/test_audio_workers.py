@@ -220,3 +220,41 @@ async def test_voice_and_speed_are_checked() -> None:
         tts.check_speed(4.5)
     with pytest.raises(InvalidRequest):
         tts.check_speed(float("nan"))
+
+
+async def test_the_earliest_deadline_is_spoken_first() -> None:
+    """A live answer's first piece (wanted now) goes ahead of another voice's piece that is
+    needed only seconds later, and ahead of a long answer's later sentences."""
+    gate = threading.Event()
+
+    class GatedVoice(FakeVoice):
+        def synthesize(self, text: str, voice: str, speed: float) -> Iterator[bytes]:
+            if text == "Hold.":
+                gate.wait(10)
+            return super().synthesize(text, voice, speed)
+
+    voice = GatedVoice()
+    tts = TextToSpeech(TTS_INFO, lambda: voice, queue_depth=4)
+
+    async def speak(text: str, deadline: float | None = None) -> None:
+        async for _ in tts.synthesize(text, deadline=deadline):
+            pass
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tts.run)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(speak, "Hold.")
+            await trio.sleep(0.1)  # the worker is inside "Hold." now
+            now = time.monotonic()
+            callers.start_soon(speak, "Later piece.", now + 5)
+            # 60 sentences of 10 chars: ~0.125 s of audio each at 8 kHz, so its third sentence
+            # is wanted ~0.25 s from now, before the 5 s piece but after a piece wanted now.
+            callers.start_soon(speak, ". ".join(f"Long {i:05d}" for i in range(60)), now)
+            await trio.sleep(0.05)
+            callers.start_soon(speak, "First piece.", now + 0.1)
+            await trio.sleep(0.1)
+            gate.set()
+        spoken = voice.spoken
+        assert spoken[:3] == ["Hold", "Long 00000", "First piece"]
+        assert spoken.index("Later piece") > spoken.index("Long 00003")
+        nursery.cancel_scope.cancel()

@@ -15,9 +15,13 @@ from mlxcel.runtime.messages import (
 )
 
 
-def item(rid: str, n_prompt: int = 3) -> Tokenized:
+def item(rid: str, n_prompt: int = 3, priority: int = 1) -> Tokenized:
     req = GenerationRequest(
-        request_id=rid, prompt=TextPrompt(text="x"), sampling=SamplingParams(), max_tokens=5
+        request_id=rid,
+        prompt=TextPrompt(text="x"),
+        sampling=SamplingParams(),
+        max_tokens=5,
+        priority=priority,
     )
     slot: Any = object()  # the policy never touches slots
     return Tokenized(req, slot, tuple(range(n_prompt)), 5)
@@ -133,3 +137,17 @@ def test_join_window_groups_arrivals_into_the_running_batch() -> None:
         state.enqueue(item(rid), now=2.0)
     # Enough arrivals to fill every free slot: no reason to wait.
     assert [s.request_id for s in policy.plan(state, (), now=2.0).plan.inserts] == ["d"]
+
+
+def test_a_high_priority_arrival_joins_at_once_and_brings_the_waiting_along() -> None:
+    state = policy.SchedulerState(parallel=4, join_window=0.5)
+    state.enqueue(item("a"), now=0.0)
+    policy.plan(state, (), now=0.0)
+    state.enqueue(item("b"), now=1.0)
+    assert policy.plan(state, (), now=1.1).plan.inserts == ()
+    # A live voice turn (priority 0) does not wait for company.
+    state.enqueue(item("voice", priority=0), now=1.2)
+    assert [s.request_id for s in policy.plan(state, (), now=1.2).plan.inserts] == [
+        "voice",
+        "b",
+    ]

@@ -26,13 +26,31 @@ def test_sentences_are_cut_as_soon_as_they_end() -> None:
     assert s.flush() == "Yes"
 
 
-def test_a_long_first_clause_is_spoken_before_its_sentence_ends() -> None:
-    s = SentenceSplitter(first_clause_chars=24)
-    assert s.feed("Well, if you really want to know, the answer") == [
-        "Well, if you really want to know,"
-    ]
+def test_the_first_piece_ends_at_a_clause_once_it_is_long_enough() -> None:
+    s = SentenceSplitter(first_clause_chars=10)
+    # "Well," is too short to say alone; the next clause break ends the first piece.
+    assert s.feed("Well, if you want") == []
+    assert s.feed(" it, the answer") == ["Well, if you want it,"]
     # Later pieces wait for the sentence end.
-    assert s.feed(" is long, very long") == []
+    assert s.feed(" is long, very long and goes on") == []
+
+
+def test_the_first_piece_ends_after_a_few_words_without_punctuation() -> None:
+    s = SentenceSplitter(first_words=5)
+    assert s.feed("The capital of France is") == []  # "is" may still grow ("isn't")
+    assert s.feed(" Paris and") == ["The capital of France is"]
+    assert s.feed(" it is a big city") == []
+    assert s.feed(". Yes") == ["Paris and it is a big city."]
+
+
+def test_a_hurried_piece_takes_the_whole_words_there_are() -> None:
+    s = SentenceSplitter()
+    assert s.feed("Yes. Spiders have eight") == ["Yes."]
+    assert s.feed(" legs and") == []  # later pieces wait for their sentence...
+    # ...unless the listener is about to run out of audio.
+    assert s.feed(" they spi", hurry=True) == ["Spiders have eight legs and they"]
+    assert s.feed("n webs, mostly at", hurry=True) == ["spin webs,"]
+    assert s.feed(" night. Bye") == ["mostly at night."]
 
 
 def test_a_piece_without_punctuation_is_cut_at_a_word() -> None:
@@ -77,10 +95,30 @@ def test_silero_vad_finds_the_spoken_question_in_silence() -> None:
     events = []
     for start in range(0, audio.size, 1280):  # 80 ms frames, as clients send them
         events += vad.feed(audio[start : start + 1280].astype(np.float32) / 32768)
-    assert [e.kind for e in events] == ["start", "stop"]
+    # A pause a third of the way into the closing silence (the session transcribes early
+    # there), then the stop; a pause between words may come back as a resume.
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "start" and kinds[-2:] == ["pause", "stop"]
+    assert set(kinds[1:-2]) <= {"pause", "resume"}
     speech_end = 16_000 + spoken().size
     assert 12_000 <= events[0].sample <= 24_000
-    assert speech_end - 8_000 <= events[1].sample <= speech_end + 8_000
+    assert speech_end - 8_000 <= events[-1].sample <= speech_end + 8_000
+    # Both mark where the silence began.
+    assert events[-2].sample == events[-1].sample
+
+
+def test_speech_after_a_pause_resumes_the_turn() -> None:
+    # With the speech's own quiet edges, a gap of ~0.5 s: past a third of the 1 s silence
+    # window (a pause), short of all of it (no stop).
+    gap = silence(0.3)
+    audio = np.concatenate([silence(1.0), spoken(), gap, spoken(), silence(1.5)])
+    vad = VadStream(shared_model(), silence_ms=1000)
+    events = []
+    for start in range(0, audio.size, 1280):
+        events += vad.feed(audio[start : start + 1280].astype(np.float32) / 32768)
+    kinds = [e.kind for e in events]
+    assert kinds.count("start") == 1 and kinds.count("stop") == 1
+    assert "resume" in kinds and kinds[-2:] == ["pause", "stop"]
 
 
 def test_resample_keeps_duration() -> None:

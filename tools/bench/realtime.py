@@ -10,7 +10,9 @@ silence window) and from the ``speech_stopped`` event (the turn's end as the ser
 "Behind real time": the client paces frames on an absolute schedule; a session falls behind
 when its sends lag that schedule (backpressure) or when the server's ``speech_stopped`` comes
 later and later after the audio that ended the turn (the server cannot keep up with the
-incoming audio).
+incoming audio). On the way out, each answer is played as a client would (from its first
+audio delta, in real time): audio that arrives after its turn to play is a gap the user hears,
+reported per answer.
 
 Peer, measured in the same run on the same server while idle: the same cascade a client
 would do without the WebSocket, over HTTP, one question at a time -- transcription, a
@@ -47,6 +49,7 @@ QUESTIONS = [
     "Why is the sky blue?",
 ]
 FRAME_S = 0.08
+OUTPUT_RATE = 22_050  # the VoiceChat protocol's default output rate
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
@@ -141,6 +144,11 @@ class Session:
         # Stage times of answered turns: stop -> transcript -> first text -> first audio.
         self.stages: list[tuple[float, float, float]] = []
         self._marks: dict[str, float] = {}
+        # Playback as a client would do it: an answer plays from its first audio delta on, in
+        # real time; a delta that arrives after its turn to play stalls playback (a gap heard).
+        self.stalls: list[float] = []  # seconds of gap per answer that sent audio
+        self._play_at: float | None = None  # when the next delta's audio is due to play
+        self._stall = 0.0
 
     async def run(self, base: str, args: argparse.Namespace, start_at: float) -> None:
         await trio.sleep_until(start_at)
@@ -206,7 +214,18 @@ class Session:
                 self._marks.setdefault("transcript", now)
             elif kind == "response.text.delta":
                 self._marks.setdefault("text", now)
-            elif kind == "response.audio.delta" and self._awaiting_audio:
+            if kind == "response.audio.delta":
+                seconds = len(event["delta"]) * 3 / 4 / 2 / OUTPUT_RATE
+                if self._play_at is None:
+                    self._play_at, self._stall = now, 0.0
+                elif now > self._play_at:
+                    self._stall += now - self._play_at
+                    self._play_at = now
+                self._play_at += seconds
+            elif kind in ("response.done", "response.cancelled") and self._play_at is not None:
+                self.stalls.append(self._stall)
+                self._play_at = None
+            if kind == "response.audio.delta" and self._awaiting_audio:
                 self.first_audio.append(now)
                 self._awaiting_audio = False
                 m = self._marks
@@ -283,6 +302,13 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
         print(
             f"median stages: speech_stopped -> transcript {stt:.2f} s, -> first text "
             f"{llm:.2f} s, -> first audio {tts:.2f} s"
+        )
+    stalls = [x for s in sessions for x in s.stalls]
+    if stalls:
+        gapped = sum(1 for x in stalls if x > 0.05)
+        print(
+            f"answer playback: {gapped} of {len(stalls)} answers had gaps (audio late for its "
+            f"turn to play), total {sum(stalls):.1f} s, worst {max(stalls):.2f} s"
         )
     print(f"errors: {errors or 'none'}")
 

@@ -7,10 +7,13 @@ Espeak          the espeak-ng program, one process per sentence (the small fallb
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from mlxcel.actors.audio.stt import SttInfo, SttOptions
 from mlxcel.actors.audio.tts import TtsInfo
@@ -43,6 +46,24 @@ def tts_info(model: TtsModel) -> TtsInfo:
 
 GREEDY = {"beam_size": 1, "best_of": 1, "without_timestamps": True}
 
+# Live turns read a short window instead of Whisper's fixed 30 s: the turn plus at least
+# LIVE_PAD_SECONDS of silence, and at least LIVE_MIN_WINDOW_SECONDS in all. The encoder's cost
+# grows with the window (0.03 s for 2 s of audio against 0.77 s for 30 s here), while the
+# silence after the words is what lets Whisper end the text: with 3 s of it, tiny.en repeated
+# most sentences until its length cap; short turns ("Yes.") loop even with 5 s, and 10 s kept
+# 20 test sentences as the 30 s window reads them (within the run-to-run wording noise).
+LIVE_PAD_SECONDS = 5
+LIVE_MIN_WINDOW_SECONDS = 10
+# Longer turns take the normal path (the window saving shrinks, the risk does not).
+LIVE_MAX_SECONDS = 20.0
+# Speech runs at 2-5 tokens a second; a decode that reaches this cap is looping.
+LIVE_TOKENS_PER_SECOND = 6
+LIVE_TOKENS_SLACK = 8
+# Whisper's own thresholds for a decode worth keeping (faster-whisper's defaults).
+COMPRESSION_RATIO_MAX = 2.4
+AVG_LOGPROB_MIN = -1.0
+NO_SPEECH_MIN = 0.6
+
 
 class FasterWhisper:
     # int8 is the fastest CPU kernel CTranslate2 has, and what faster-whisper suggests for CPU.
@@ -71,17 +92,100 @@ class FasterWhisper:
                     f"Unknown language '{language}': use an ISO-639-1 code such as 'en'",
                     param="language",
                 )
+        task = options.task if self.multilingual else "transcribe"
+        if options.greedy and not options.word_timestamps:
+            if (live := self._live(audio, language, task, options.prompt)) is not None:
+                return live
         temperature = FALLBACK_TEMPERATURES if options.temperature == 0 else (options.temperature,)
         segments, info = self.model.transcribe(
             audio,
             language=language,
-            task=options.task if self.multilingual else "transcribe",
+            task=task,
             initial_prompt=options.prompt or None,
             temperature=temperature,
             word_timestamps=options.word_timestamps,
+            # Always given: faster-whisper's feature extractor keeps the last value it saw.
+            chunk_length=self.model.feature_extractor.chunk_length,
             **(GREEDY if options.greedy else {}),
         )
         return _segments(segments), info.language, float(info.duration)
+
+    def _live(
+        self, audio: Any, language: str | None, task: str, prompt: str | None
+    ) -> tuple[Iterator[Segment], str, float] | None:
+        """A live turn, greedy on a short window; None when the normal path must decide.
+
+        faster-whisper always pads the features to 30 s, so this drives CTranslate2 directly
+        with faster-whisper's own tokenizer, prompt and quality checks. A decode that loops
+        (reaches the token cap), compresses too well, or is unsure falls back to the 30 s
+        window, which costs only the time already spent.
+        """
+        import ctranslate2  # type: ignore[import-untyped]
+        from faster_whisper.tokenizer import Tokenizer  # type: ignore[import-untyped]
+        from faster_whisper.transcribe import get_compression_ratio  # type: ignore[import-untyped]
+
+        samples = np.asarray(audio, dtype=np.float32)
+        rate = self.model.feature_extractor.sampling_rate
+        duration = samples.size / rate
+        if duration > LIVE_MAX_SECONDS or (language is None and self.multilingual):
+            return None
+        language = language or "en"
+        seconds = max(LIVE_MIN_WINDOW_SECONDS, math.ceil(duration) + LIVE_PAD_SECONDS)
+        window = np.zeros(seconds * rate, np.float32)
+        window[: samples.size] = samples
+        extractor = self.model.feature_extractor
+        features = extractor(window, chunk_length=extractor.chunk_length)
+        # The encoder's first convolution has stride 2.
+        features = np.ascontiguousarray(features[None, :, : features.shape[-1] // 2 * 2])
+        tokenizer = Tokenizer(
+            self.model.hf_tokenizer, self.multilingual, task=task, language=language
+        )
+        previous = tokenizer.encode(" " + prompt.strip()) if prompt and prompt.strip() else []
+        tokens_prompt = self.model.get_prompt(tokenizer, previous, without_timestamps=True)
+        cap = int(duration * LIVE_TOKENS_PER_SECOND) + LIVE_TOKENS_SLACK
+        result = self.model.model.generate(
+            ctranslate2.StorageView.from_array(features),
+            [tokens_prompt],
+            beam_size=1,
+            max_length=len(tokens_prompt) + cap,
+            return_scores=True,
+            return_no_speech_prob=True,
+            suppress_blank=True,
+            suppress_tokens=[-1],
+        )[0]
+        tokens = [t for t in result.sequences_ids[0] if t < tokenizer.eot]
+        avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)
+        text = tokenizer.decode(tokens)
+        if result.no_speech_prob > NO_SPEECH_MIN and avg_logprob < AVG_LOGPROB_MIN:
+            text, tokens = "", []  # silence, as Whisper's segment loop would judge it
+        elif (
+            len(tokens) >= cap
+            or _periodic(tokens)
+            or get_compression_ratio(text.strip()) > COMPRESSION_RATIO_MAX
+            or avg_logprob < AVG_LOGPROB_MIN
+        ):
+            return None
+        segment = Segment(
+            id=0,
+            seek=0,
+            start=0.0,
+            end=round(duration, 3),
+            text=text,
+            tokens=tuple(tokens),
+            temperature=0.0,
+            avg_logprob=float(avg_logprob),
+            compression_ratio=float(get_compression_ratio(text.strip())) if text else 0.0,
+            no_speech_prob=float(result.no_speech_prob),
+            words=(),
+        )
+        return iter([segment] if text.strip() else []), language, duration
+
+
+def _periodic(tokens: list[int]) -> bool:
+    """True when the tokens repeat themselves from the start ("Yes. Yes. Yes.", "Can you hear
+    me? Can you"): a short window's typical loop, which ordinary speech almost never is."""
+    n = len(tokens)
+    return any(tokens[p:] == tokens[: n - p] for p in range(1, n - 1))
 
 
 def _segments(raw: Iterator[Any]) -> Iterator[Segment]:

@@ -75,6 +75,9 @@ class _TranscribeJob:
         self.audio = audio
         self.options = options
         self.cancelled = False
+        self._admitted = AudioWorker.now()
+        # Wanted now; after each segment, as far on as the audio it covered (see worker.py).
+        self.deadline = self._admitted
         self.done = trio.Event()
         self.result: Transcription | None = None
         self.error: MlxcelError | None = None
@@ -94,6 +97,7 @@ class _TranscribeJob:
         segment = next(self._segments, None)
         if segment is not None:
             self._collected.append(segment)
+            self.deadline = self._admitted + segment.end
             return False
         segments = tuple(self._collected)
         result = Transcription(

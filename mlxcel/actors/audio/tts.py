@@ -68,12 +68,21 @@ class TtsBackend(Protocol):
 
 class _SpeechJob:
     def __init__(
-        self, text: str, voice: str, speed: float, send: trio.MemorySendChannel[bytes]
+        self,
+        text: str,
+        voice: str,
+        speed: float,
+        send: trio.MemorySendChannel[bytes],
+        *,
+        deadline: float,
+        sample_rate: int,
     ) -> None:
         self.text = text
         self.voice = voice
         self.speed = speed
         self.cancelled = False
+        self.deadline = deadline
+        self._bytes_per_second = 2 * sample_rate
         self.error: MlxcelError | None = None
         self._send = send
         self._chunks: Iterator[bytes] | None = None
@@ -87,6 +96,8 @@ class _SpeechJob:
         if chunk is None:
             trio.from_thread.run_sync(self._send.close)
             return True
+        # The next sentence is needed once this one has been played.
+        self.deadline += len(chunk) / self._bytes_per_second
         try:
             # The channel is unbounded: a slow listener never stalls the thread; memory is
             # bounded by the input text's length.
@@ -160,7 +171,12 @@ class TextToSpeech:
         await self._worker.run(task_status=task_status)
 
     async def synthesize(
-        self, text: str, *, voice: str | None = None, speed: float = 1.0
+        self,
+        text: str,
+        *,
+        voice: str | None = None,
+        speed: float = 1.0,
+        deadline: float | None = None,
     ) -> AsyncIterator[bytes]:
         """Speak ``text``: PCM16 mono little-endian chunks at ``sample_rate``, one per sentence.
 
@@ -169,12 +185,20 @@ class TextToSpeech:
         is full, and Timeout (504) when the next sentence takes longer than ``timeout``.
         Closing or cancelling the consumer stops synthesis after the sentence in progress:
         iterate inside ``contextlib.aclosing`` (or a nursery that is cancelled) so the
-        generator's cleanup runs promptly.
+        generator's cleanup runs promptly. ``deadline`` (``AudioWorker.now()`` clock; default
+        now) is when the first audio is wanted: the worker serves the earliest deadline first.
         """
         job_voice = self.voice_for(voice)
         self.check_speed(speed)
         send, receive = trio.open_memory_channel[bytes](math.inf)
-        job = _SpeechJob(text, job_voice, speed, send)
+        job = _SpeechJob(
+            text,
+            job_voice,
+            speed,
+            send,
+            deadline=AudioWorker.now() if deadline is None else deadline,
+            sample_rate=self.sample_rate,
+        )
         self._worker.admit(job)
         try:
             async with receive:

@@ -1,11 +1,13 @@
-"""The thread both audio workers run on: a lazily built model, jobs served round-robin.
+"""The thread both audio workers run on: a lazily built model, jobs served by deadline.
 
 A worker owns one thread (``trio.to_thread.run_sync(..., abandon_on_cancel=False)``) that builds
 its model on the first job (so a server that never hears a sound never pays for loading it; the
 realtime actor can ask for it early with ``preload``), then serves jobs one *step* at a time
-(one Whisper segment, one sentence of speech), taking turns between jobs. A long transcription
-therefore never makes a short one wait for all of it, and the first sentence of every reply
-comes out early.
+(one Whisper segment, one sentence of speech), always the step whose *deadline* is earliest.
+A job's deadline is when its next output is needed: its admission time for the first step, then
+later by the length of the audio it has produced (speech is played, and a transcription read,
+at that pace). So a long job never makes a short one wait for all of it, and the first sentence
+of a live reply (deadline: now) goes ahead of sentences other voices need only seconds later.
 
 The Trio side admits at most ``queue_depth`` jobs at once (more is ``ServerBusy``, a 503). A
 caller that stops waiting (client gone, timeout, barge-in) marks its job cancelled; the thread
@@ -14,9 +16,10 @@ drops it before its next step.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-from collections import deque
+import time
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
@@ -34,6 +37,8 @@ class Job(Protocol[B]):  # type: ignore[misc]
 
     # Set from the Trio side; read by the thread before each step (a stale read costs a step).
     cancelled: bool
+    # ``time.monotonic()`` by which the next step's output is wanted (the job moves it on).
+    deadline: float
 
     def step(self, backend: B) -> bool:
         """Run one step on the worker's thread; True when the job is finished."""
@@ -48,6 +53,7 @@ class _Preload:
     """A no-op job: builds the model ahead of the first real request."""
 
     cancelled = False
+    deadline = -math.inf
 
     def step(self, backend: object) -> bool:
         return True
@@ -98,17 +104,21 @@ class AudioWorker(Generic[B]):
 
     def _thread_main(self) -> None:
         backend: B | None = None
-        active: deque[Job[B]] = deque()
+        # (job, arrival order): equal deadlines are served first come, first served.
+        active: list[tuple[Job[B], int]] = []
+        arrivals = itertools.count()
         while True:
             if not active:
                 try:
-                    active.append(trio.from_thread.run(self._rx.receive))
+                    active.append((trio.from_thread.run(self._rx.receive), next(arrivals)))
                 except trio.EndOfChannel:
                     return
-            active.extend(trio.from_thread.run_sync(self._drain))
+            active.extend((j, next(arrivals)) for j in trio.from_thread.run_sync(self._drain))
             if backend is None and self.load_error is None:
                 backend = self._load()
-            job = active.popleft()
+            chosen = min(active, key=lambda entry: (entry[0].deadline, entry[1]))
+            active.remove(chosen)
+            job = chosen[0]
             if job.cancelled:
                 continue
             if backend is None:
@@ -125,7 +135,7 @@ class AudioWorker(Generic[B]):
                 job.fail(InternalError(f"{self.name} failed: {type(error).__name__}: {error}"))
                 done = True
             if not done:
-                active.append(job)
+                active.append((job, chosen[1]))
 
     def _load(self) -> B | None:
         try:
@@ -137,6 +147,11 @@ class AudioWorker(Generic[B]):
             self.load_error = InternalError(f"Loading the {self.name} model failed: {error}")
         trio.from_thread.run_sync(self.loaded.set)
         return None if self.load_error is not None else backend
+
+    @staticmethod
+    def now() -> float:
+        """The clock deadlines are on (Trio's clock is offset on purpose; this one is not)."""
+        return time.monotonic()
 
     def _drain(self) -> list[Job[B]]:
         jobs = []

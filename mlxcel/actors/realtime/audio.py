@@ -114,6 +114,12 @@ class InputBuffer:
         self.samples = 0
         return audio
 
+    def peek(self) -> np.ndarray:
+        """A copy of everything buffered; the buffer keeps it."""
+        audio = self.take()
+        self._chunks, self.samples = [audio], audio.size
+        return audio.copy()
+
     def drop_front(self, n: int) -> None:
         """Forget the oldest ``n`` buffered samples (silence before speech)."""
         if n <= 0:

@@ -76,6 +76,10 @@ class ResponseState:
     # Why a response ended early: "turn_detected" (barge-in), "client_cancelled", or an error.
     reason: str | None = None
     audio_samples: int = 0  # output samples sent, at the output rate
+    # ``AudioWorker.now()`` when the first audio went out: the client plays from then on.
+    playback_from: float | None = None
+    # Pieces handed to text-to-speech whose audio has not all gone out yet.
+    pieces_pending: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
 

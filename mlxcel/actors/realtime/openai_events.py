@@ -253,8 +253,10 @@ class OpenAIRealtime(CommonEvents):
         return [{"type": "response.output_audio.delta", **self._where(r), "delta": b64}]
 
     def spoken(self, r: ResponseState, piece: str) -> list[Event]:
+        # The deltas join into the final transcript, which puts a space between pieces.
+        delta = piece if len(r.spoken_pieces) <= 1 else " " + piece
         return [
-            {"type": "response.output_audio_transcript.delta", **self._where(r), "delta": piece}
+            {"type": "response.output_audio_transcript.delta", **self._where(r), "delta": delta}
         ]
 
     def response_done(self, r: ResponseState) -> list[Event]:

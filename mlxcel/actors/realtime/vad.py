@@ -4,7 +4,9 @@ One ``SileroModel`` (an onnxruntime session, thread-safe) serves every realtime 
 session keeps its own ``VadStream`` (LSTM state, the 64-sample context, a partial window) and
 feeds it 16 kHz audio as it arrives. The stream turns speech probabilities into start / stop
 events with hysteresis: speech starts after ``start_windows`` windows at or above the threshold
-(64 ms, so barge-in is quick) and stops after ``silence_ms`` below ``threshold - 0.15``.
+(64 ms, so barge-in is quick) and stops after ``silence_ms`` below ``threshold - 0.15``. A
+third of the way into that silence it reports a ``pause`` (the turn has probably ended: the
+session starts transcribing early), and ``resume`` if speech comes back before the stop.
 ``feed`` does the model work, so sessions call it through ``trio.to_thread``.
 """
 
@@ -51,7 +53,7 @@ def shared_model() -> SileroModel:
 
 @attrs.frozen
 class VadEvent:
-    kind: str  # "start" | "stop"
+    kind: str  # "start" | "pause" | "resume" | "stop"
     # Session-wide sample index (16 kHz) where speech started or stopped.
     sample: int
 
@@ -70,6 +72,7 @@ class VadStream:
         self.threshold = threshold
         self._neg = max(threshold - 0.15, 0.01)
         self._silence_windows = max(1, round(silence_ms * 16 / WINDOW))
+        self._pause_windows = max(1, self._silence_windows // 3)
         self._start_windows = start_windows
         self._h = np.zeros((1, 1, 128), np.float32)
         self._c = np.zeros((1, 1, 128), np.float32)
@@ -104,7 +107,12 @@ class VadStream:
                     self._speech_start = at - (self._start_windows - 1) * WINDOW
                     events.append(VadEvent("start", self._speech_start))
             else:
+                paused = self._run >= self._pause_windows
                 self._run = self._run + 1 if p < self._neg else 0
+                if self._run == self._pause_windows < self._silence_windows:
+                    events.append(VadEvent("pause", self._position - self._run * WINDOW))
+                elif paused and self._run == 0:
+                    events.append(VadEvent("resume", at))
                 if self._run >= self._silence_windows:
                     self.speaking, self._run = False, 0
                     events.append(VadEvent("stop", self._position - self._silence_windows * WINDOW))

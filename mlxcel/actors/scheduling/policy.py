@@ -88,9 +88,12 @@ class SchedulerState:
         self.arrived[item.request.request_id] = now
 
     def may_join(self, now: float) -> bool:
-        """Start waiting requests now? Yes when idle, when they fill every free slot, or once
-        the oldest has waited out the join window."""
+        """Start waiting requests now? Yes when idle, when they fill every free slot, when a
+        high-priority one waits (a live voice turn, ``X-Priority: 0``: its first word is worth
+        more than the copy saved), or once the oldest has waited out the join window."""
         if not self.running or self.join_window <= 0:
+            return True
+        if any(i.request.priority == 0 for i in self.waiting):
             return True
         free = self.parallel - self.rows
         if sum(i.request.n for i in self.waiting) >= free:
