@@ -19,7 +19,7 @@ import threading
 
 import attrs
 
-__all__ = ["BlasInfo", "preload_blas"]
+__all__ = ["BlasInfo", "preload_blas", "fewer_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ class BlasInfo:
 
 _lock = threading.Lock()
 _info: BlasInfo | None = None
+_lib: ctypes.CDLL | None = None
+_threads_lock = threading.Lock()
+_single_users = 0
+_saved_threads = 0
 
 
 def _candidates() -> list[str]:
@@ -80,9 +84,11 @@ def _load() -> BlasInfo:
         if path is None:
             continue
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         except OSError:
             continue
+        global _lib
+        _lib = lib
         return BlasInfo(name="openblas", path=path, fast=True)
     log.warning(
         "OpenBLAS not found (Debian: apt-get install libopenblas0-pthread); "
@@ -102,3 +108,36 @@ def preload_blas() -> BlasInfo:
         if _info is None:
             _info = _load()
         return _info
+
+
+class fewer_threads:  # noqa: N801 - used as a context manager, like a function
+    """OpenBLAS on ``1/share`` of its threads while the block runs (no-op for other BLAS).
+
+    For work already split across cores (the encoder's mlx streams, each on its own core):
+    all threads per matmul there would only fight over the same cores. OpenBLAS 0.3.21 has no
+    per-thread setting, so this is process-wide: a generation step running at that moment
+    also multiplies on fewer threads (it shares the cores with the encoder anyway). Nested
+    and concurrent users are counted; the last one out restores the thread count.
+    """
+
+    def __init__(self, share: int) -> None:
+        self._share = share
+
+    def __enter__(self) -> None:
+        global _single_users, _saved_threads
+        if _lib is None:
+            return
+        with _threads_lock:
+            if _single_users == 0:
+                _saved_threads = int(_lib.openblas_get_num_threads())
+                _lib.openblas_set_num_threads(max(1, _saved_threads // self._share))
+            _single_users += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _single_users
+        if _lib is None:
+            return
+        with _threads_lock:
+            _single_users -= 1
+            if _single_users == 0:
+                _lib.openblas_set_num_threads(_saved_threads)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from mlxcel.actors.embedder import EmbedderInfo, Encoded
+from mlxcel.models import blas
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.resolve import ResolvedModel, resolve_model
 
@@ -36,6 +38,11 @@ __all__ = [
 Kind = Literal["encoder", "decoder", "classifier", "chat"]
 Pooling = Literal["cls", "mean", "max", "lasttoken"]
 POOLINGS: tuple[str, ...] = ("cls", "mean", "max", "lasttoken")
+
+# Batches of at least 2 * SPLIT_MIN_ROWS run as SPLIT_PARTS parts on their own mlx streams
+# (see EmbeddingModel.forward); a lone query keeps one stream and all of OpenBLAS's threads.
+SPLIT_PARTS = 2
+SPLIT_MIN_ROWS = 4
 
 ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
 
@@ -130,6 +137,7 @@ class EmbeddingModel:
         self._model = model
         self._pad_id = pad_id
         self._forward = forward
+        self._streams: list[Any] = []
 
     # -- tokenisation (thread-safe transformers fast tokenizer) ---------------------------
 
@@ -166,7 +174,34 @@ class EmbeddingModel:
     # -- compute ---------------------------------------------------------------------------
 
     def forward(self, batch: Sequence[Encoded]) -> np.ndarray:
-        """Pooled vectors ``[n, dim]`` (embedders) or scores in [0, 1] ``[n]`` (classifiers)."""
+        """Pooled vectors ``[n, dim]`` (embedders) or scores in [0, 1] ``[n]`` (classifiers).
+
+        A batch of ``2 * SPLIT_MIN_ROWS`` rows or more runs as two halves on two mlx streams,
+        each with half of OpenBLAS's threads: mlx's CPU elementwise kernels (GELU, softmax,
+        LayerNorm) are single-threaded, so one stream leaves a core idle for ~15 % of every
+        layer. Measured here on all-MiniLM-L6-v2 at batch 32: 140 sentences/s as one stream
+        (two BLAS threads), 180-186 as two (one each).
+        """
+        from mlxcel.models.mlx_setup import mx
+
+        if len(batch) < 2 * SPLIT_MIN_ROWS or (os.cpu_count() or 1) < 2:
+            out = self._forward(*self._arrays(batch))
+            mx.eval(out)
+            return np.array(out, dtype=np.float32, copy=True)
+        if not self._streams:
+            self._streams = [mx.new_stream(mx.cpu) for _ in range(SPLIT_PARTS)]
+        size = -(-len(batch) // SPLIT_PARTS)
+        outs = []
+        with blas.fewer_threads(SPLIT_PARTS):
+            for part, stream in enumerate(self._streams):
+                with mx.stream(stream):
+                    outs.append(
+                        self._forward(*self._arrays(batch[part * size : (part + 1) * size]))
+                    )
+            mx.eval(outs)
+        return np.concatenate([np.array(o, dtype=np.float32, copy=True) for o in outs])
+
+    def _arrays(self, batch: Sequence[Encoded]) -> tuple[Any, Any, Any]:
         from mlxcel.models.mlx_setup import mx
 
         width = max(len(e.ids) for e in batch)
@@ -178,9 +213,7 @@ class EmbeddingModel:
             mask[row, : len(e.ids)] = 1
             if e.types is not None:
                 types[row, : len(e.types)] = e.types
-        out = self._forward(mx.array(ids), mx.array(types), mx.array(mask))
-        mx.eval(out)
-        return np.array(out, dtype=np.float32, copy=True)
+        return mx.array(ids), mx.array(types), mx.array(mask)
 
 
 def _pool(hidden: Any, mask: Any, pooling: str) -> Any:

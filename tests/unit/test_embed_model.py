@@ -75,3 +75,19 @@ def test_tiny_cross_encoder_scores_pairs_in_unit_interval(tmp_path: Path) -> Non
     assert ((scores > 0) & (scores < 1)).all()
     assert scores[0] == pytest.approx(scores[2], abs=1e-5)
     assert abs(scores[0] - scores[1]) > 1e-3
+
+
+def test_split_batch_matches_rows_run_alone(minilm) -> None:  # type: ignore[no-untyped-def]
+    from mlxcel.models import blas
+    from mlxcel.models.embedding import SPLIT_MIN_ROWS
+
+    texts = [f"sentence number {i} is about {'cats ' * (i % 5)}and dogs" for i in range(13)]
+    assert len(texts) >= 2 * SPLIT_MIN_ROWS  # the two-stream path
+    encoded = minilm.encode_texts(texts)
+    together = minilm.forward(encoded)
+    alone = np.stack([minilm.forward([e])[0] for e in encoded])  # the one-stream path
+    assert together.shape == (13, 384)
+    np.testing.assert_allclose(together, alone, atol=2e-5)
+    # OpenBLAS gets its threads back after the split batch.
+    if blas._lib is not None:
+        assert int(blas._lib.openblas_get_num_threads()) == blas._saved_threads >= 1
