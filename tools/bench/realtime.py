@@ -256,6 +256,7 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     from_speech: list[float] = []
     from_stop: list[float] = []
     server_lag: list[tuple[float, float]] = []
+    waits: list[tuple[float, float]] = []  # (turn end, its wait for first audio), by time
     asked = answered = 0
     for s in sessions:
         asked += len(s.spoken_end)
@@ -270,6 +271,7 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
                 answered += 1
                 from_speech.append(audio[0] - ends[-1])
                 from_stop.append(audio[0] - stop)
+                waits.append((stop, audio[0] - stop))
     lag_sorted = [lag for _, lag in sorted(server_lag)]
     third = max(1, len(lag_sorted) // 3)
     send_lag = max((max(s.send_lag) for s in sessions if s.send_lag), default=0.0)
@@ -291,10 +293,21 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     first = statistics.median(lag_sorted[:third]) if lag_sorted else float("nan")
     last = statistics.median(lag_sorted[-third:]) if lag_sorted else float("nan")
     behind = send_lag > 1.0 or (last - first) > 1.0
+    # Output side: answers fall behind when the wait for first audio grows over the run.
+    by_time = [w for _, w in sorted(waits)]
+    third_w = max(1, len(by_time) // 3)
+    w_first = statistics.median(by_time[:third_w]) if by_time else float("nan")
+    w_last = statistics.median(by_time[-third_w:]) if by_time else float("nan")
+    answers_behind = (w_last - w_first) > 1.0
     print(
         f"server VAD lag (speech_stopped after its audio): first third {first:.2f} s, last third "
-        f"{last:.2f} s; max client send lag {send_lag:.2f} s -> "
+        f"{last:.2f} s; max client send lag {send_lag:.2f} s -> audio in "
         + ("FELL BEHIND real time" if behind else "kept up with real time")
+    )
+    print(
+        f"speech_stopped -> first audio, turns in time order: median of the first third "
+        f"{w_first:.2f} s, last third {w_last:.2f} s -> answers "
+        + ("FELL BEHIND (the wait grows)" if answers_behind else "kept up (the wait does not grow)")
     )
     stages = [st for s in sessions for st in s.stages]
     if stages:
