@@ -2,7 +2,7 @@
 
 ``transcribe`` is the whole public face: float32 mono 16 kHz samples in, a ``Transcription``
 out. The model (faster-whisper on a CTranslate2 checkpoint) is built on the worker's thread on
-first use; jobs advance one Whisper segment at a time, taking turns (see ``worker.py``).
+first use; jobs advance one Whisper segment at a time, the most urgent first (see ``worker.py``).
 """
 
 from __future__ import annotations

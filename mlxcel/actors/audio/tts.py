@@ -1,8 +1,9 @@
 """The text-to-speech actor: a Piper voice (or espeak-ng) on its own thread.
 
 ``synthesize`` yields 16-bit mono little-endian PCM at ``sample_rate``, one chunk per sentence,
-so the first audio is out after the first sentence, not the whole text. Jobs take turns a
-sentence at a time (see ``worker.py``), so many voices can speak at once.
+so the first audio is out after the first sentence, not the whole text. Jobs advance a sentence
+at a time, the one whose audio is needed soonest first (see ``worker.py``), so many voices can
+speak at once.
 """
 
 from __future__ import annotations
