@@ -137,7 +137,9 @@ class Session:
         self.spoken_end: list[float] = []  # when the last speech frame of each turn was sent
         self.stop_due: list[float] = []  # when the turn's trailing silence (VAD window) ended
         self.stopped_at: list[float] = []
-        self.first_audio: list[float] = []
+        # Per turn (speech_stopped), its answer's first audio; None when none came (the next
+        # question cancelled the answer first, or the run ended).
+        self.first_audio: list[float | None] = []
         self.send_lag: list[float] = []
         self.errors: list[str] = []
         self._awaiting_audio = False
@@ -208,6 +210,7 @@ class Session:
             now = trio.current_time()
             if kind == "input_audio_buffer.speech_stopped":
                 self.stopped_at.append(now)
+                self.first_audio.append(None)
                 self._awaiting_audio = True
                 self._marks = {"stop": now}
             elif kind == "conversation.item.input_audio_transcription.completed":
@@ -226,7 +229,7 @@ class Session:
                 self.stalls.append(self._stall)
                 self._play_at = None
             if kind == "response.audio.delta" and self._awaiting_audio:
-                self.first_audio.append(now)
+                self.first_audio[-1] = now
                 self._awaiting_audio = False
                 m = self._marks
                 if {"stop", "transcript", "text"} <= m.keys():
@@ -257,21 +260,24 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     from_stop: list[float] = []
     server_lag: list[tuple[float, float]] = []
     waits: list[tuple[float, float]] = []  # (turn end, its wait for first audio), by time
-    asked = answered = 0
+    turns: list[tuple[float, bool]] = []  # (turn end, whether any answer audio came)
+    asked = answered = unanswered = 0
     for s in sessions:
         asked += len(s.spoken_end)
-        for stop in s.stopped_at:
+        for stop, audio in zip(s.stopped_at, s.first_audio, strict=True):
             # The spoken end just before this stop is the turn it closed.
             ends = [e for e in s.spoken_end if e <= stop]
             dues = [d for d in s.stop_due if d - args.silence_ms / 1000 <= stop]
-            audio = [a for a in s.first_audio if a >= stop]
             if dues:
                 server_lag.append((stop, stop - dues[-1]))
-            if ends and audio:
+            turns.append((stop, audio is not None))
+            if audio is None:
+                unanswered += 1
+            elif ends:
                 answered += 1
-                from_speech.append(audio[0] - ends[-1])
-                from_stop.append(audio[0] - stop)
-                waits.append((stop, audio[0] - stop))
+                from_speech.append(audio - ends[-1])
+                from_stop.append(audio - stop)
+                waits.append((stop, audio - stop))
     lag_sorted = [lag for _, lag in sorted(server_lag)]
     third = max(1, len(lag_sorted) // 3)
     send_lag = max((max(s.send_lag) for s in sessions if s.send_lag), default=0.0)
@@ -279,7 +285,10 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     med = statistics.median(from_speech) if from_speech else float("nan")
     peer_med = statistics.median(peer) if peer else float("nan")
     print(f"sessions {args.sessions}, {args.duration:g} s, a question every {args.period:g} s")
-    print(f"questions asked {asked}, answered with audio {answered}")
+    print(
+        f"questions asked {asked}, answered with audio {answered}, no audio before the next "
+        f"question cancelled the answer (or the run ended) {unanswered}"
+    )
     print(
         f"end of speech -> first audio: median {med:.2f} s, p90 {pct(from_speech, 0.9):.2f} s "
         f"(includes the {args.silence_ms} ms VAD silence window)"
@@ -298,7 +307,11 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     third_w = max(1, len(by_time) // 3)
     w_first = statistics.median(by_time[:third_w]) if by_time else float("nan")
     w_last = statistics.median(by_time[-third_w:]) if by_time else float("nan")
-    answers_behind = (w_last - w_first) > 1.0
+    in_order = [heard for _, heard in sorted(turns)]
+    third_t = max(1, len(in_order) // 3)
+    lost_first = in_order[:third_t].count(False)
+    lost_last = in_order[-third_t:].count(False)
+    answers_behind = (w_last - w_first) > 1.0 or lost_last > lost_first
     print(
         f"server VAD lag (speech_stopped after its audio): first third {first:.2f} s, last third "
         f"{last:.2f} s; max client send lag {send_lag:.2f} s -> audio in "
@@ -306,7 +319,8 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     )
     print(
         f"speech_stopped -> first audio, turns in time order: median of the first third "
-        f"{w_first:.2f} s, last third {w_last:.2f} s -> answers "
+        f"{w_first:.2f} s, last third {w_last:.2f} s; turns with no audio {lost_first} vs "
+        f"{lost_last} -> answers "
         + ("FELL BEHIND (the wait grows)" if answers_behind else "kept up (the wait does not grow)")
     )
     stages = [st for s in sessions for st in s.stages]
