@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from mlxcel.models import fast_math
 from mlxcel.models.mlx_setup import mx
 
 __all__ = ["BertConfig", "BertModel", "BertForSequenceClassification", "sanitize"]
@@ -37,58 +38,9 @@ class BertConfig:
         self.position_offset = self.pad_token_id + 1 if self.model_type in _ROBERTA else 0
 
 
-# erf as a rational function of x^2 (Eigen's float32 erf, clamped to [-4, 4] where erf is +-1
-# in float32): only multiply-adds and one divide. mlx's CPU erf / tanh / exp are scalar loops,
-# ~10x slower than this, and GELU runs over the 4x-wide hidden state of every layer.
-_ERF_P = (
-    -2.72614225801306e-10,
-    2.77068142495902e-08,
-    -2.10102402082508e-06,
-    -5.69250639462346e-05,
-    -7.34990630326855e-04,
-    -2.95459980854025e-03,
-    -1.60960333262415e-02,
-)
-_ERF_Q = (
-    -1.45660718464996e-05,
-    -2.13374055278905e-04,
-    -1.68282697438203e-03,
-    -7.37332916720468e-03,
-    -1.42647390514189e-02,
-)
-
-
-def _gelu_rational(x: mx.array) -> mx.array:
-    z = mx.clip(x * 0.7071067811865476, -4.0, 4.0)
-    z2 = z * z
-    p: Any = _ERF_P[0]
-    for a in _ERF_P[1:]:
-        p = p * z2 + a
-    q: Any = _ERF_Q[0]
-    for b in _ERF_Q[1:]:
-        q = q * z2 + b
-    return 0.5 * x * (1.0 + z * p / q)
-
-
-_GELU: list[Any] = []
-
-
-def fast_gelu() -> Any:
-    """Exact-GELU to ~1e-6, fused by ``mx.compile`` (the kernel is cached on disk by mlx);
-    falls back to the uncompiled graph where compiling is not possible."""
-    if not _GELU:
-        compiled = mx.compile(_gelu_rational, shapeless=True)
-        try:
-            mx.eval(compiled(mx.zeros((2, 2))))
-            _GELU.append(compiled)
-        except Exception:  # noqa: BLE001 - no toolchain for compiled kernels: stay correct
-            _GELU.append(_gelu_rational)
-    return _GELU[0]
-
-
 def _act(name: str) -> Any:
     if name in ("gelu", "gelu_python"):
-        return fast_gelu()
+        return fast_math.gelu
     if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         return nn.gelu_approx
     if name == "relu":
@@ -130,7 +82,7 @@ class SelfAttention(nn.Module):
             return t.reshape(b, n, h, d // h).transpose(0, 2, 1, 3)
 
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=(d // h) ** -0.5, mask=mask)
+        out = fast_math.attention(q, k, v, scale=(d // h) ** -0.5, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(b, n, d)
 
 

@@ -1,0 +1,170 @@
+"""Float32 GELU, exp and softmax for mlx's CPU backend, built from ops it runs fast.
+
+mlx's CPU ``exp`` / ``erf`` / ``tanh`` / ``sigmoid`` are scalar loops (~18 ns per element on
+this machine) and its ``maximum`` / ``minimum`` / ``floor`` kernels do not vectorise, while a
+chain of multiply-adds in one ``mx.compile`` kernel does (~0.1 ns per op). Whether a chain
+stays one kernel depends on two things, both read from mlx 0.32's ``compile.cpp``:
+
+- it is compiled *with shapes*. A shapeless compile passes every constant as an array and
+  takes the strided, scalar path: 9-13 ns per element here instead of 2;
+- it is at most 11 ops deep (``max_compile_depth``). A deeper chain is cut into several
+  kernels, each one more pass over memory. Hence Estrin's scheme for the polynomials.
+
+Measured on 442k float32 elements (one core): GELU 5.2 -> 2.1 ns per element, exp 17.8 ->
+2.1, attention softmax of a [32, 12, 16, 16] batch 1.84 -> ~0.6 ms. Both functions are
+accurate to about 1 ulp-level of float32 (see ``tests/unit/test_fast_math.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from mlxcel.models.mlx_setup import mx
+
+__all__ = ["attention", "exp_nonpositive", "gelu", "softmax"]
+
+# A shaped compile keeps one trace per input shape (and stream) until the compiled function is
+# dropped; embedding batches come in many shapes, so after this many a fresh one starts.
+TRACE_LIMIT = 256
+
+# erf(z) = z * P(z^2) / Q(z^2) on |z| <= 4 (Eigen's float32 erf; erf is +-1 in float32
+# beyond). P is pre-halved so GELU's 0.5 * (1 + erf) folds into one multiply-add.
+_P = tuple(
+    0.5 * c
+    for c in (
+        -2.72614225801306e-10,
+        2.77068142495902e-08,
+        -2.10102402082508e-06,
+        -5.69250639462346e-05,
+        -7.34990630326855e-04,
+        -2.95459980854025e-03,
+        -1.60960333262415e-02,
+    )
+)
+_Q = (
+    -1.45660718464996e-05,
+    -2.13374055278905e-04,
+    -1.68282697438203e-03,
+    -7.37332916720468e-03,
+    -1.42647390514189e-02,
+)
+_SQRT_HALF = 0.7071067811865476
+
+# exp(x) = 2^n * e^r with r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite, ln2 split in two so
+# n * LN2_HI is exact), e^r by Cephes' expf polynomial; 2^n is written into the exponent bits.
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.693359375
+_LN2_LO = -2.12194440e-4
+_EXP_C = (
+    1.9875691500e-4,
+    1.3981999507e-3,
+    8.3334519073e-3,
+    4.1665795894e-2,
+    1.6666665459e-1,
+    5.0000001201e-1,
+)
+# Below this e^x < 2e-35: far under float32's resolution next to a softmax row's maximum (1).
+_EXP_FLOOR = -80.0
+
+
+def _gelu_graph(x: mx.array) -> mx.array:
+    v = x * _SQRT_HALF
+    z = mx.where(mx.abs(v) > 4.0, mx.sign(v) * 4.0, v)  # where vectorises; clip does not
+    y = mx.square(z)
+    y2 = y * y
+    y4 = y2 * y2
+    a0, a1, a2, a3, a4, a5, a6 = _P
+    b0, b1, b2, b3, b4 = _Q
+    p = ((a6 + a5 * y) + y2 * (a4 + a3 * y)) + y4 * ((a2 + a1 * y) + y2 * a0)
+    q = ((b4 + b3 * y) + y2 * (b2 + b1 * y)) + y4 * b0
+    return x * (0.5 + z * p / q)
+
+
+def _exp_graph(x: mx.array) -> mx.array:
+    x = mx.where(x < _EXP_FLOOR, _EXP_FLOOR, x)
+    # x <= 0, so truncation toward zero is floor here (floor itself does not vectorise).
+    neg_n = (0.5 - x * _LOG2E).astype(mx.int32)
+    n = -neg_n.astype(mx.float32)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p: Any = _EXP_C[0]
+    for c in _EXP_C[1:]:
+        p = p * r + c
+    p = p * r * r + r + 1.0
+    return p * mx.view(mx.left_shift(127 - neg_n, 23), mx.float32)
+
+
+class _PerShape:
+    """``mx.compile`` with shapes, its trace cache bounded by ``TRACE_LIMIT`` shapes.
+
+    Falls back to the plain graph (same values, slower) where mlx cannot build compiled CPU
+    kernels (no C++ compiler on the machine): the first call probes that once.
+    """
+
+    def __init__(self, fn: Callable[[mx.array], mx.array]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._compiled: Callable[[mx.array], mx.array] | None = None
+        self._shapes: set[tuple[int, ...]] = set()
+        self._usable: bool | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        with self._lock:
+            if self._usable is None:
+                self._usable = self._probe()
+            if not self._usable:
+                return self._fn(x)
+            shape = tuple(x.shape)
+            if self._compiled is None or (
+                shape not in self._shapes and len(self._shapes) >= TRACE_LIMIT
+            ):
+                self._compiled = mx.compile(self._fn)  # dropping the old one frees its traces
+                self._shapes.clear()
+            self._shapes.add(shape)
+            compiled = self._compiled
+        return compiled(x)
+
+    def _probe(self) -> bool:
+        try:
+            mx.eval(mx.compile(self._fn)(mx.zeros((2, 2))))
+        except Exception:  # noqa: BLE001 - no toolchain for compiled kernels: stay correct
+            return False
+        return True
+
+
+_gelu = _PerShape(_gelu_graph)
+_exp = _PerShape(_exp_graph)
+
+
+def gelu(x: mx.array) -> mx.array:
+    """Exact (erf) GELU in float32, to within 1.1e-6 absolute."""
+    return _gelu(x)
+
+
+def exp_nonpositive(x: mx.array) -> mx.array:
+    """``e^x`` for ``x <= 0`` (a softmax after its maximum is subtracted), to ~1e-7 relative.
+
+    Values below -80 give ~2e-35 rather than their exact (smaller) exponential.
+    """
+    return _exp(x)
+
+
+def softmax(x: mx.array, axis: int = -1) -> mx.array:
+    e = exp_nonpositive(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: mx.array | None
+) -> mx.array:
+    """Scaled dot-product attention over ``[batch, heads, tokens, dim]``.
+
+    mlx has no fused CPU attention kernel: its ``fast.scaled_dot_product_attention`` runs
+    these same three steps, with the scalar-exp softmax taking ~70 % of the time for short
+    sequences.
+    """
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    if mask is not None:
+        scores = scores + mask
+    return softmax(scores, axis=-1) @ v
