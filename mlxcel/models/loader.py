@@ -21,6 +21,7 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
+from mlxcel.models import fast_lm
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
@@ -90,6 +91,7 @@ def load_model(
         _dequantize(model)
     _cast(model, DTYPES[dtype])
     mx.eval(model.parameters())
+    fast_lm.install(model)  # vectorised softmax / SwiGLU on the CPU (see fast_lm)
 
     tokenizer = wrapper._tokenizer  # mlx_lm exposes no public accessor
     return LoadedModel(

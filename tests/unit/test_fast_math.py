@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import mlxcel.models  # noqa: F401  isort: skip  (OpenBLAS before mlx)
 
 import numpy as np
 import pytest
 
-from mlxcel.models import fast_math
+from mlxcel.models import fast_lm, fast_math
 from mlxcel.models.mlx_setup import mx
 
 
@@ -39,7 +40,7 @@ def test_gelu_keeps_shape_across_many_shapes(monkeypatch: pytest.MonkeyPatch) ->
         assert got.shape == x.shape
         want = _exact_gelu(x.reshape(-1).astype(np.float64)).reshape(x.shape)
         assert np.abs(got - want).max() < 2e-6
-    assert len(fast_math._gelu._shapes) <= 3
+    assert len(fast_math._gelu._local.shapes) <= 3
 
 
 def test_exp_is_accurate_where_a_softmax_needs_it() -> None:
@@ -82,3 +83,80 @@ def test_uncompiled_fallback_gives_the_same_values(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(mx, "compile", no_toolchain)
     shaped = fast_math._PerShape(fast_math._gelu_graph)
     assert np.abs(np.array(shaped(x)) - compiled).max() < 1e-6
+
+
+def test_silu_mul_matches_mlx() -> None:
+    rng = np.random.default_rng(2)
+    gate = np.concatenate([rng.normal(scale=6.0, size=4000), [0.0, 90.0, -90.0, 1e4, -1e4]])
+    x = rng.normal(size=gate.size)
+    got = np.array(fast_math.silu_mul(mx.array(gate, mx.float32), mx.array(x, mx.float32)))
+    with np.errstate(over="ignore"):  # exp(1e4) is inf: silu(-1e4) is -0, as wanted
+        want = gate / (1.0 + np.exp(-gate)) * x
+    assert np.all(np.abs(got - want) <= 5e-7 * np.maximum(1.0, np.abs(want)))
+
+
+@pytest.mark.parametrize(
+    ("b", "heads", "kv_heads", "q_len", "kv_len"),
+    [(2, 9, 3, 1, 20), (2, 9, 3, 7, 20), (1, 4, 4, 5, 5), (3, 6, 2, 4, 11)],
+)
+def test_lm_attention_matches_mlx_sdpa(
+    b: int, heads: int, kv_heads: int, q_len: int, kv_len: int
+) -> None:
+    # Grouped-query heads, decode (q_len 1) and prefill, and every mask form mlx-lm passes.
+    rng = np.random.default_rng(3)
+    d = 8
+
+    def arr(*shape: int) -> mx.array:
+        return mx.array(rng.normal(size=shape).astype(np.float32))
+
+    q, k, v = arr(b, heads, q_len, d), arr(b, kv_heads, kv_len, d), arr(b, kv_heads, kv_len, d)
+    pos = mx.arange(kv_len)
+    causal = mx.arange(kv_len - q_len, kv_len)[:, None] >= pos[None]
+    left_pad = mx.array([0, 3, 1][:b])[:, None, None, None]
+    masks: dict[str, object] = {
+        "none": None,
+        "causal": "causal",
+        "left padding": (pos[None, None, None, :] >= left_pad) & causal,
+        "additive": arr(q_len, kv_len),
+        "per head": mx.array(rng.random(size=(b, heads, q_len, kv_len)) > 0.3)
+        | (pos[None, None, None, :] == 0),
+    }
+    for name, mask in masks.items():
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask)
+        got = fast_lm.attention(q, k, v, scale=d**-0.5, mask=mask)  # type: ignore[arg-type]
+        assert got.shape == want.shape, name
+        assert np.abs(np.array(got) - np.array(want)).max() < 2e-6, name
+
+
+def test_the_loaded_chat_model_uses_them_and_gives_the_same_logits(
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real default model (SmolLM2, llama): a prefill then decode steps on a KV cache,
+    # once through fast_lm and once through mlx-lm's own functions.
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.models.loader import load_model
+    from mlxcel.models.resolve import resolve_model
+
+    model = load_model(resolve_model(str(default_model_dir))).model
+    assert hasattr(llama.scaled_dot_product_attention, "__wrapped__")
+    assert hasattr(llama.swiglu, "__wrapped__")
+
+    def run() -> np.ndarray:
+        cache = make_prompt_cache(model)
+        prompt = mx.array([[1, 504, 3458, 282, 4162, 314, 253, 1928, 30, 2, 198] * 3])
+        logits = [model(prompt, cache=cache)[:, -1]]
+        for _ in range(4):
+            token = mx.argmax(logits[-1], axis=-1)[:, None]
+            logits.append(model(token, cache=cache)[:, -1])
+        return np.array(mx.concatenate(logits))
+
+    ours = run()
+    monkeypatch.setattr(
+        llama, "scaled_dot_product_attention", llama.scaled_dot_product_attention.__wrapped__
+    )
+    monkeypatch.setattr(llama, "swiglu", llama.swiglu.__wrapped__)
+    theirs = run()
+    assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+    assert np.abs(ours - theirs).max() < 1e-5 * np.abs(theirs).max()
