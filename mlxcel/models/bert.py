@@ -50,13 +50,20 @@ def _act(name: str) -> Any:
     raise ValueError(f"unsupported hidden_act {name!r}")
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters) computed by ``fast_math.layer_norm`` (BLAS means)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return fast_math.layer_norm(x, self.weight, self.bias, self.eps)
+
+
 class Embeddings(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size)
         self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self._offset = c.position_offset
 
     def __call__(self, ids: mx.array, types: mx.array) -> mx.array:
@@ -92,7 +99,7 @@ class DenseNorm(nn.Module):
     def __init__(self, c: BertConfig, dims_in: int) -> None:
         super().__init__()
         self.dense = nn.Linear(dims_in, c.hidden_size)
-        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.LayerNorm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def __call__(self, x: mx.array, residual: mx.array) -> mx.array:
         return self.LayerNorm(self.dense(x) + residual)

@@ -23,7 +23,7 @@ from typing import Any
 
 from mlxcel.models.mlx_setup import mx
 
-__all__ = ["attention", "exp_nonpositive", "gelu", "silu_mul", "softmax"]
+__all__ = ["attention", "exp_nonpositive", "gelu", "layer_norm", "silu_mul", "softmax"]
 
 # A shaped compile keeps one trace per input shape (and stream) until the compiled function is
 # dropped; embedding batches come in many shapes, so after this many a fresh one starts.
@@ -159,6 +159,21 @@ def exp_nonpositive(x: mx.array) -> mx.array:
 def silu_mul(gate: mx.array, x: mx.array) -> mx.array:
     """``silu(gate) * x`` (SwiGLU), to ~2e-7 relative."""
     return _silu_mul(gate, x)
+
+
+def layer_norm(x: mx.array, weight: mx.array, bias: mx.array, eps: float) -> mx.array:
+    """LayerNorm over the last axis, its two row means taken by matrix products.
+
+    mlx's CPU ``fast.layer_norm`` reduces each row on one thread (~3.2 ns per element here);
+    a product with a column of 1/n runs in BLAS, and the rest are vectorised binary ops: 0.71
+    -> 0.50 ms for a [32, 16, 384] residual add + LayerNorm. Two passes (mean, then the mean
+    of squared deviations), so rows with a large mean lose nothing.
+    """
+    n = x.shape[-1]
+    column = mx.full((n, 1), 1.0 / n, dtype=x.dtype)
+    centred = x - x @ column
+    variance = mx.square(centred) @ column
+    return centred * mx.rsqrt(variance + eps) * weight + bias
 
 
 def softmax(x: mx.array, axis: int = -1) -> mx.array:

@@ -106,7 +106,11 @@ def main() -> int:
             lambda: fast_math.attention(q, q, q, scale=(d // h) ** -0.5, mask=mask),
         ),
         ("split/merge heads (copies)", 2, lambda: mx.contiguous(heads(x))),
-        ("add + LayerNorm", 2, lambda: layer.attention.output.LayerNorm(a + x)),
+        (
+            "add + LayerNorm (fast_math, BLAS means)",
+            2,
+            lambda: layer.attention.output.LayerNorm(a + x),
+        ),
         ("linear 384->1536", 1, lambda: layer.intermediate.dense(a)),
         ("gelu (erf, fast_math)", 1, lambda: layer.intermediate._act(inter)),
         ("linear 1536->384", 1, lambda: layer.output.dense(act)),
