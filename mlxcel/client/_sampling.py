@@ -50,6 +50,13 @@ def build_params(endpoint: Endpoint, sampling: Mapping[str, Any]) -> dict[str, A
     bad = _RESERVED & sampling.keys()
     if bad:
         raise TypeError(f"{sorted(bad)[0]!r} is set by the method itself; it cannot be a keyword")
+    n = sampling.get("n")
+    if n is not None and n != 1:
+        # The helpers return (or stream) one text; a stream of n choices would interleave them.
+        raise ValueError(
+            f"n={n!r}: generate, chat and their streams return one text; for several choices "
+            "call client.openai_client (the openai SDK) with n"
+        )
     named = _NAMED[endpoint]
     params: dict[str, Any] = {}
     extra: dict[str, Any] = {}

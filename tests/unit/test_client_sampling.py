@@ -79,6 +79,14 @@ def test_method_owned_fields_are_rejected(reserved: str) -> None:
         build_params("chat", {reserved: True})
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_several_choices_are_refused_not_interleaved(endpoint: str) -> None:
+    # A streamed n=2 answer would mix both choices' deltas into one text.
+    with pytest.raises(ValueError, match="n=2"):
+        build_params(endpoint, {"n": 2})  # type: ignore[arg-type]
+    assert build_params(endpoint, {"n": 1}) == {"n": 1}  # type: ignore[arg-type]
+
+
 class Recorder:
     """A fake server behind httpx.MockTransport that records each request."""
 
