@@ -28,6 +28,7 @@ __all__ = ["attention", "exp_nonpositive", "gelu", "layer_norm", "silu_mul", "so
 # A shaped compile keeps one trace per input shape (and stream) until the compiled function is
 # dropped; embedding batches come in many shapes, so after this many a fresh one starts.
 TRACE_LIMIT = 256
+_MAP_LOCK = threading.Lock()
 
 # erf(z) = z * P(z^2) / Q(z^2) on |z| <= 4 (Eigen's float32 erf; erf is +-1 in float32
 # beyond). P is pre-halved so GELU's 0.5 * (1 + erf) folds into one multiply-add.
@@ -99,11 +100,13 @@ def _exp_graph(x: mx.array) -> mx.array:
 class _PerShape:
     """``mx.compile`` with shapes, one compiled function per thread, traces bounded.
 
-    mlx keeps a compiled function's traces (one per input shape and stream) in a process-wide
-    cache that it does not lock, so each thread (the model runner, the embedder) gets its own
-    compiled function, and after ``TRACE_LIMIT`` shapes a fresh one replaces it (dropping the
-    old one frees its traces). Falls back to the plain graph (same values, slower) where mlx
-    cannot build compiled CPU kernels (no C++ compiler on the machine); the first call probes.
+    mlx keeps every compiled function's traces (one per input shape and stream) in one
+    process-wide map that it does not lock. So each thread (the model runner, the embedder)
+    gets its own compiled function, calls into them hold ``_MAP_LOCK`` (a call only traces or
+    looks up, so the lock is held for microseconds; the kernels run later, in ``mx.eval``),
+    and after ``TRACE_LIMIT`` shapes a fresh function replaces a thread's old one (dropping
+    it frees its traces). Falls back to the plain graph (same values, slower) where mlx cannot
+    build compiled CPU kernels (no C++ compiler on the machine); the first call probes.
     """
 
     def __init__(self, fn: Callable[..., mx.array]) -> None:
@@ -119,15 +122,19 @@ class _PerShape:
         local = self._local
         shapes = tuple(tuple(a.shape) for a in args)
         seen: set[Any] | None = getattr(local, "shapes", None)
-        if seen is None or (shapes not in seen and len(seen) >= TRACE_LIMIT):
-            local.compiled = mx.compile(self._fn)
-            local.shapes = seen = set()
-        seen.add(shapes)
-        return local.compiled(*args)  # type: ignore[no-any-return]
+        with _MAP_LOCK:
+            if seen is None or (shapes not in seen and len(seen) >= TRACE_LIMIT):
+                local.compiled = None  # drop (and erase) the old traces under the lock
+                local.compiled = mx.compile(self._fn)
+                local.shapes = seen = set()
+            seen.add(shapes)
+            return local.compiled(*args)  # type: ignore[no-any-return]
 
     def _probe(self, arity: int) -> bool:
         try:
-            mx.eval(mx.compile(self._fn)(*[mx.zeros((2, 2)) for _ in range(arity)]))
+            with _MAP_LOCK:
+                probe = mx.compile(self._fn)(*[mx.zeros((2, 2)) for _ in range(arity)])
+            mx.eval(probe)
         except Exception:  # noqa: BLE001 - no toolchain for compiled kernels: stay correct
             return False
         return True
