@@ -631,8 +631,7 @@ class RealtimeSession:
             index: int | None = None
             # The TTS worker serves the earliest deadline first: the first piece is wanted
             # now; each later one when the client will have played what came before it.
-            playback_from = r.playback_from
-            deadline = None if playback_from is None else playback_from + r.audio_samples / out_rate
+            deadline = r.playback_end(out_rate)
             if (
                 deadline is not None
                 and (wait := deadline - SPEAK_AHEAD_SECONDS - AudioWorker.now()) > 0
@@ -677,9 +676,9 @@ def _starving(r: ResponseState, out_rate: int) -> bool:
     """Will the client run out of this answer's audio soon, with nothing more on the way?
     Then the text-to-speech takes whatever whole words there are rather than waiting for the
     sentence to end (a gap in a spoken answer is worse than a phrase break)."""
-    if r.playback_from is None or r.pieces_pending > 0:
+    runs_dry = r.playback_end(out_rate)
+    if runs_dry is None or r.pieces_pending > 0:
         return False
-    runs_dry = r.playback_from + r.audio_samples / out_rate
     return runs_dry - AudioWorker.now() < HURRY_SECONDS
 
 

@@ -69,6 +69,8 @@ _EXP_C = (
 )
 # Below this e^x < 2e-35: far under float32's resolution next to a softmax row's maximum (1).
 _EXP_FLOOR = -80.0
+# A masked attention score: e^(-1e9 - max) is e^-80 after the floor, ~2e-35 of the row's top.
+_MASKED = -1e9
 
 
 def _gelu_graph(x: mx.array) -> mx.array:
@@ -190,15 +192,41 @@ def softmax(x: mx.array, axis: int = -1) -> mx.array:
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: mx.array | None
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None,
 ) -> mx.array:
-    """Scaled dot-product attention over ``[batch, heads, tokens, dim]``.
+    """``mx.fast.scaled_dot_product_attention`` (same arguments, same result) on the CPU.
 
-    mlx has no fused CPU attention kernel: its ``fast.scaled_dot_product_attention`` runs
-    these same three steps, with the scalar-exp softmax taking ~70 % of the time for short
-    sequences.
+    ``queries`` is ``[batch, heads, q_len, dim]``, ``keys`` / ``values`` are ``[batch,
+    kv_heads, kv_len, dim]``; ``mask`` is ``"causal"`` (aligned bottom-right, as mlx's),
+    a boolean array (True keeps) or an additive one, broadcastable to ``[batch, heads, q_len,
+    kv_len]``. mlx has no fused CPU attention kernel: its own runs these same steps, with the
+    scalar-exp softmax taking ~70 % of the time. Query heads that share a KV head (grouped-
+    query attention) are folded into the rows of one matmul, so the KV cache is never copied
+    per head.
     """
-    scores = (q * scale) @ k.swapaxes(-1, -2)
+    b, h, n, d = queries.shape
+    kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    rep = h // kv_heads
+    q = (queries * scale).reshape(b, kv_heads, rep * n, d)
+    scores = (q @ keys.swapaxes(-1, -2)).reshape(b, kv_heads, rep, n, kv_len)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        mask = mx.arange(kv_len - n, kv_len)[:, None] >= mx.arange(kv_len)[None]
     if mask is not None:
-        scores = scores + mask
-    return softmax(scores, axis=-1) @ v
+        m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        if m.shape[1] == 1:
+            m = mx.expand_dims(m, 2)
+        else:  # one mask per query head: split heads as the scores are
+            m = m.reshape(m.shape[0], kv_heads, rep, m.shape[2], m.shape[3])
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, _MASKED)
+        else:
+            scores = scores + m.astype(scores.dtype)
+    weights = softmax(scores, axis=-1).reshape(b, kv_heads, rep * n, kv_len)
+    return (weights @ values).reshape(b, h, n, values.shape[-1])

@@ -10,7 +10,7 @@ import mlxcel.models  # noqa: F401  isort: skip  (OpenBLAS before mlx)
 import numpy as np
 import pytest
 
-from mlxcel.models import fast_lm, fast_math
+from mlxcel.models import fast_math
 from mlxcel.models.mlx_setup import mx
 
 
@@ -25,7 +25,6 @@ def test_gelu_matches_erf_gelu() -> None:
     got = np.array(fast_math.gelu(mx.array(x)), dtype=np.float64)
     want = _exact_gelu(x.astype(np.float64))
     err = np.abs(got - want)
-    assert err.max() <= 1.2e-6 * np.maximum(1.0, np.abs(want)).max()
     assert np.all(err <= 1.2e-6 * np.maximum(1.0, np.abs(want)))
     assert got[-2] == pytest.approx(1e4) and got[-1] == 0.0
 
@@ -123,7 +122,7 @@ def test_lm_attention_matches_mlx_sdpa(
     }
     for name, mask in masks.items():
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask)
-        got = fast_lm.attention(q, k, v, scale=d**-0.5, mask=mask)  # type: ignore[arg-type]
+        got = fast_math.attention(q, k, v, scale=d**-0.5, mask=mask)  # type: ignore[arg-type]
         assert got.shape == want.shape, name
         assert np.abs(np.array(got) - np.array(want)).max() < 2e-6, name
 

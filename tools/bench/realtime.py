@@ -255,6 +255,17 @@ async def run_sessions(base: str, args: argparse.Namespace) -> list[Session]:
     return sessions
 
 
+def thirds(timed: list[tuple[float, Any]]) -> tuple[list[Any], list[Any]]:
+    """The values of the first and of the last third of ``(time, value)`` pairs, by time."""
+    values = [v for _, v in sorted(timed, key=lambda tv: tv[0])]
+    third = max(1, len(values) // 3)
+    return values[:third], values[-third:]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def report(sessions: list[Session], peer: list[float], args: argparse.Namespace) -> None:
     from_speech: list[float] = []
     from_stop: list[float] = []
@@ -278,12 +289,10 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
                 from_speech.append(audio - ends[-1])
                 from_stop.append(audio - stop)
                 waits.append((stop, audio - stop))
-    lag_sorted = [lag for _, lag in sorted(server_lag)]
-    third = max(1, len(lag_sorted) // 3)
     send_lag = max((max(s.send_lag) for s in sessions if s.send_lag), default=0.0)
     errors = sorted({e for s in sessions for e in s.errors})
-    med = statistics.median(from_speech) if from_speech else float("nan")
-    peer_med = statistics.median(peer) if peer else float("nan")
+    med = median(from_speech)
+    peer_med = median(peer)
     print(f"sessions {args.sessions}, {args.duration:g} s, a question every {args.period:g} s")
     print(
         f"questions asked {asked}, answered with audio {answered}, no audio before the next "
@@ -299,18 +308,11 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     )
     print(f"peer (HTTP cascade, one at a time, idle): median {peer_med:.2f} s over {len(peer)}")
     print(f"ratio realtime/peer: {med / peer_med:.2f}x")
-    first = statistics.median(lag_sorted[:third]) if lag_sorted else float("nan")
-    last = statistics.median(lag_sorted[-third:]) if lag_sorted else float("nan")
+    first, last = (median(part) for part in thirds(server_lag))
     behind = send_lag > 1.0 or (last - first) > 1.0
     # Output side: answers fall behind when the wait for first audio grows over the run.
-    by_time = [w for _, w in sorted(waits)]
-    third_w = max(1, len(by_time) // 3)
-    w_first = statistics.median(by_time[:third_w]) if by_time else float("nan")
-    w_last = statistics.median(by_time[-third_w:]) if by_time else float("nan")
-    in_order = [heard for _, heard in sorted(turns)]
-    third_t = max(1, len(in_order) // 3)
-    lost_first = in_order[:third_t].count(False)
-    lost_last = in_order[-third_t:].count(False)
+    w_first, w_last = (median(part) for part in thirds(waits))
+    lost_first, lost_last = (part.count(False) for part in thirds(turns))
     answers_behind = (w_last - w_first) > 1.0 or lost_last > lost_first
     print(
         f"server VAD lag (speech_stopped after its audio): first third {first:.2f} s, last third "

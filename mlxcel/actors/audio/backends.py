@@ -156,12 +156,13 @@ class FasterWhisper:
         tokens = [t for t in result.sequences_ids[0] if t < tokenizer.eot]
         avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)
         text = tokenizer.decode(tokens)
+        compression = float(get_compression_ratio(text.strip())) if text.strip() else 0.0
         if result.no_speech_prob > NO_SPEECH_MIN and avg_logprob < AVG_LOGPROB_MIN:
             text, tokens = "", []  # silence, as Whisper's segment loop would judge it
         elif (
             len(tokens) >= cap
             or _periodic(tokens)
-            or get_compression_ratio(text.strip()) > COMPRESSION_RATIO_MAX
+            or compression > COMPRESSION_RATIO_MAX
             or avg_logprob < AVG_LOGPROB_MIN
         ):
             return None
@@ -174,7 +175,7 @@ class FasterWhisper:
             tokens=tuple(tokens),
             temperature=0.0,
             avg_logprob=float(avg_logprob),
-            compression_ratio=float(get_compression_ratio(text.strip())) if text else 0.0,
+            compression_ratio=compression,
             no_speech_prob=float(result.no_speech_prob),
             words=(),
         )

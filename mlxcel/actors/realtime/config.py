@@ -87,6 +87,13 @@ class ResponseState:
     def spoken(self) -> str:
         return " ".join(self.spoken_pieces)
 
+    def playback_end(self, output_rate: int) -> float | None:
+        """When the client will have played all audio sent so far (``AudioWorker.now()``
+        clock); None before the first audio."""
+        if self.playback_from is None:
+            return None
+        return self.playback_from + self.audio_samples / output_rate
+
     @property
     def heard(self) -> str:
         """What goes into the history: the spoken part for audio answers (a cut-off answer is

@@ -73,7 +73,7 @@ class SentenceSplitter:
         start = len(self._buf) - len(self._buf.lstrip())
         if m := _CLAUSE_END.search(self._buf, start + self._first_clause_chars):
             return m.end()
-        ends = [m.end() for m in _WORD_END.finditer(self._buf)]
+        ends = self._word_ends()
         if len(ends) >= self._first_words:
             return ends[self._first_words - 1]
         return None
@@ -84,5 +84,8 @@ class SentenceSplitter:
         clauses = [m.end() for m in _CLAUSE_END.finditer(self._buf)]
         if clauses:
             return clauses[-1]
-        ends = [m.end() for m in _WORD_END.finditer(self._buf)]
+        ends = self._word_ends()
         return ends[-1] if len(ends) >= self._hurry_words else None
+
+    def _word_ends(self) -> list[int]:
+        return [m.end() for m in _WORD_END.finditer(self._buf)]
