@@ -96,12 +96,13 @@ def test_silu_mul_matches_mlx() -> None:
 
 @pytest.mark.parametrize(
     ("b", "heads", "kv_heads", "q_len", "kv_len"),
-    [(2, 9, 3, 1, 20), (2, 9, 3, 7, 20), (1, 4, 4, 5, 5), (3, 6, 2, 4, 11)],
+    [(2, 9, 3, 1, 20), (2, 9, 3, 7, 20), (1, 4, 4, 5, 5), (3, 6, 2, 4, 11), (3, 6, 2, 2, 130), (2, 9, 3, 1, 200)],
 )
 def test_lm_attention_matches_mlx_sdpa(
     b: int, heads: int, kv_heads: int, q_len: int, kv_len: int
 ) -> None:
-    # Grouped-query heads, decode (q_len 1) and prefill, and every mask form mlx-lm passes.
+    # Grouped-query heads, decode (q_len 1) and prefill, and every mask form mlx-lm passes;
+    # few query rows per KV head on 128 keys or more take the transposed products.
     rng = np.random.default_rng(3)
     d = 8
 
@@ -111,7 +112,7 @@ def test_lm_attention_matches_mlx_sdpa(
     q, k, v = arr(b, heads, q_len, d), arr(b, kv_heads, kv_len, d), arr(b, kv_heads, kv_len, d)
     pos = mx.arange(kv_len)
     causal = mx.arange(kv_len - q_len, kv_len)[:, None] >= pos[None]
-    left_pad = mx.array([0, 3, 1][:b])[:, None, None, None]
+    left_pad = mx.array([0, 3, kv_len // 2][:b])[:, None, None, None]
     masks: dict[str, object] = {
         "none": None,
         "causal": "causal",
@@ -130,8 +131,8 @@ def test_lm_attention_matches_mlx_sdpa(
 def test_the_loaded_chat_model_uses_them_and_gives_the_same_logits(
     default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The real default model (SmolLM2, llama): a prefill then decode steps on a KV cache,
-    # once through fast_lm and once through mlx-lm's own functions.
+    # The real default model (SmolLM2, llama): a prefill of three prompts then decode steps
+    # on a KV cache (three rows), once through fast_lm and once through mlx-lm's own functions.
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -144,12 +145,13 @@ def test_the_loaded_chat_model_uses_them_and_gives_the_same_logits(
 
     def run() -> np.ndarray:
         cache = make_prompt_cache(model)
-        prompt = mx.array([[1, 504, 3458, 282, 4162, 314, 253, 1928, 30, 2, 198] * 3])
+        words = [1, 504, 3458, 282, 4162, 314, 253, 1928, 30, 2, 198]
+        prompt = mx.array([words * 3, words[::-1] * 3, words[3:] + words * 2 + words[:3]])
         logits = [model(prompt, cache=cache)[:, -1]]
         for _ in range(4):
             token = mx.argmax(logits[-1], axis=-1)[:, None]
             logits.append(model(token, cache=cache)[:, -1])
-        return np.array(mx.concatenate(logits))
+        return np.array(mx.stack(logits))
 
     ours = run()
     monkeypatch.setattr(
