@@ -96,7 +96,14 @@ def test_silu_mul_matches_mlx() -> None:
 
 @pytest.mark.parametrize(
     ("b", "heads", "kv_heads", "q_len", "kv_len"),
-    [(2, 9, 3, 1, 20), (2, 9, 3, 7, 20), (1, 4, 4, 5, 5), (3, 6, 2, 4, 11), (3, 6, 2, 2, 130), (2, 9, 3, 1, 200)],
+    [
+        (2, 9, 3, 1, 20),
+        (2, 9, 3, 7, 20),
+        (1, 4, 4, 5, 5),
+        (3, 6, 2, 4, 11),
+        (3, 6, 2, 2, 130),
+        (2, 9, 3, 1, 200),
+    ],
 )
 def test_lm_attention_matches_mlx_sdpa(
     b: int, heads: int, kv_heads: int, q_len: int, kv_len: int
