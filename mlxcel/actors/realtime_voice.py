@@ -34,6 +34,7 @@ import trio
 
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.worker import AudioWorker
+from mlxcel.actors.realtime import context
 from mlxcel.actors.realtime.audio import (
     FRAME_SAMPLES,
     STT_RATE,
@@ -59,7 +60,9 @@ from mlxcel.runtime.messages import ChatPrompt, GenerationRequest, SamplingParam
 log = logging.getLogger(__name__)
 
 MAX_PENDING_JOBS = 4
-MAX_HISTORY_ITEMS = 64
+# A memory bound on the conversation (a 600 s session at one turn every 5 s holds 240 items).
+# Past it the oldest quarter goes at once, so the prompt's start stays put between drops.
+MAX_HISTORY_ITEMS = 256
 # Longest audio delta sent in one event, in seconds (finer pieces start playback sooner and
 # let barge-in drop more of what was not heard).
 AUDIO_DELTA_SECONDS = 0.25
@@ -119,6 +122,10 @@ class VoiceDeps:
     vad_limiter: trio.CapacityLimiter
     max_buffer_seconds: float = 120.0
     max_outbox_bytes: int = 8 * 1024 * 1024
+    # Prompt tokens of a request, rendered and encoded as generation will (blocking: called
+    # in a thread), and the context window; without them no truncation happens.
+    count_tokens: Callable[[GenerationRequest], int] | None = None
+    context_length: int = 0
 
 
 @attrs.define
@@ -184,6 +191,8 @@ class RealtimeSession:
         self._early: EarlyTranscript | None = None
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[Job](MAX_PENDING_JOBS)
         self._history: list[Item] = []
+        # The first item of ``_history`` the model reads (``truncation``; see context.py).
+        self._context_from = 0
         self._active: tuple[ResponseState, trio.CancelScope] | None = None
         self._started = trio.current_time()
         self._last_activity = self._started
@@ -545,13 +554,43 @@ class RealtimeSession:
 
     def _remember(self, item: Item) -> None:
         self._history.append(item)
-        del self._history[:-MAX_HISTORY_ITEMS]
+        if len(self._history) > MAX_HISTORY_ITEMS:
+            drop = MAX_HISTORY_ITEMS // 4
+            del self._history[:drop]
+            self._context_from = max(0, self._context_from - drop)
 
     def _messages(self, instructions: str | None) -> tuple[dict[str, object], ...]:
-        system = instructions if instructions is not None else self.cfg.instructions
-        msgs: list[dict[str, object]] = [{"role": "system", "content": system}] if system else []
-        msgs += [{"role": i.role, "content": i.text} for i in self._history]
-        return tuple(msgs)
+        """The prompt: the instructions, then the items the model reads (from the cut on)."""
+        return _prompt(self._system(instructions), self._history[self._context_from :])
+
+    def _system(self, instructions: str | None) -> str:
+        return instructions if instructions is not None else self.cfg.instructions
+
+    def _fit_context(self, request: GenerationRequest, system: str, items: list[Item]) -> int:
+        """Where the cut goes for this prompt (see context.py). Runs in a thread: it encodes
+        the prompt once, and ~log2(items) more times when it cuts; ``items`` is a snapshot."""
+        count, truncation = self._deps.count_tokens, self.cfg.truncation
+        if count is None or truncation is None or not self._deps.context_length:
+            return self._context_from
+
+        def tokens(start: int) -> int:
+            prompt = ChatPrompt(messages=_prompt(system, items[start:]))
+            return count(attrs.evolve(request, prompt=prompt))
+
+        base = tokens(len(items))
+        limit = context.budget(
+            truncation,
+            context=self._deps.context_length,
+            instructions=base,
+            max_output=request.max_tokens,
+        )
+        return context.first_kept(
+            len(items),
+            self._context_from,
+            lambda k: tokens(k) - base,
+            limit,
+            truncation.retention_ratio,
+        )
 
     async def _respond(self, job: Respond) -> None:
         cfg = self.cfg
@@ -585,13 +624,21 @@ class RealtimeSession:
             sampling = attrs.evolve(sampling, seed=cfg.seed)
         gen = GenerationRequest(
             request_id=r.id,
-            prompt=ChatPrompt(messages=self._messages(job.instructions)),
+            prompt=ChatPrompt(messages=()),
             sampling=sampling,
             max_tokens=job.max_output_tokens or cfg.max_output_tokens,
             cache_key="",
             # Someone is waiting in silence: the high lane, which also skips the join window.
             priority=0,
         )
+        items = list(self._history)
+        cut = await trio.to_thread.run_sync(
+            self._fit_context, gen, self._system(job.instructions), items
+        )
+        if cut != self._context_from and items == self._history:
+            log.info("realtime %s: the model now reads items %d.. of %d", self.id, cut, len(items))
+            self._context_from = cut
+        gen = attrs.evolve(gen, prompt=ChatPrompt(messages=self._messages(job.instructions)))
         slot = self._deps.admission.submit(gen)
         splitter = SentenceSplitter()
         out_rate = self.cfg.output_rate
@@ -670,6 +717,12 @@ class RealtimeSession:
                             )
                         r.audio_samples += part.size
             r.pieces_pending -= 1
+
+
+def _prompt(system: str, items: list[Item]) -> tuple[dict[str, object], ...]:
+    msgs: list[dict[str, object]] = [{"role": "system", "content": system}] if system else []
+    msgs += [{"role": i.role, "content": i.text} for i in items]
+    return tuple(msgs)
 
 
 def _starving(r: ResponseState, out_rate: int) -> bool:

@@ -160,6 +160,8 @@ async def realtime() -> Response | None:
             model_id=ctx.model_id,
             vad_model=shared_model,
             vad_limiter=gate.vad_limiter,
+            count_tokens=lambda request: len(ctx.tokenizer.encode(request)),
+            context_length=ctx.info.context_length,
         )
         session = RealtimeSession(_QuartTransport(), deps, dialect)
         log.info("realtime %s opened (%s)", session.id, dialect.name)

@@ -104,3 +104,68 @@ def test_sdk_realtime_voice_turn_then_text_turn(tiny_server: ServerProcess) -> N
     assert final["output"][0]["content"][0] == {"type": "output_text", "text": deltas}
     # The typed message went into the conversation after the spoken exchange.
     assert final["usage"]["input_tokens"] > done["usage"]["input_tokens"]
+
+
+async def _typed_turns(base_url: str, truncation: object, turns: int) -> list[Any]:
+    """A text-only conversation of ``turns`` typed questions; each answer's response.done."""
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    done = []
+    async with client.realtime.connect(model="gpt-realtime") as conn:
+        await _events_until(conn, "session.created")
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "instructions": "Answer briefly.",
+                "output_modalities": ["text"],
+                "max_output_tokens": 4,
+                "truncation": truncation,  # type: ignore[typeddict-item]
+            }
+        )
+        updated = await _events_until(conn, "session.updated")
+        assert updated[-1]["session"]["truncation"] == truncation
+        for i in range(turns):
+            await conn.conversation.item.create(
+                item={
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "input_text",
+                            "text": f"Question {i}: tell me about the number {i}.",
+                        }
+                    ],
+                }
+            )
+            await conn.response.create()
+            done.append((await _events_until(conn, "response.done"))[-1]["response"])
+    await client.close()
+    return done
+
+
+def test_sdk_truncation_retention_ratio_bounds_the_prompt(tiny_server: ServerProcess) -> None:
+    limit = 120
+    truncation = {
+        "type": "retention_ratio",
+        "retention_ratio": 0.5,
+        "token_limits": {"post_instructions": limit},
+    }
+    done = asyncio.run(_typed_turns(tiny_server.base_url, truncation, 12))
+    assert all(d["status"] == "completed" for d in done)
+    # Measured: [29, 56, 83, 110, 66, 93, 120, 66, 93, 120, 68, 97]. The instructions (and
+    # the template) take under prompts[0] tokens; the conversation after them stays within
+    # the limit, so every prompt is under prompts[0] + limit.
+    prompts = [d["usage"]["input_tokens"] for d in done]
+    assert max(prompts) < prompts[0] + limit, prompts
+    # Each cut went down to half the limit (retention_ratio 0.5)...
+    drops = [i for i in range(1, len(prompts)) if prompts[i] < prompts[i - 1]]
+    assert drops and all(prompts[i] < prompts[0] + limit // 2 for i in drops), prompts
+    # ...and in between the cut stays put: the prompt grows turn by turn (cache hits).
+    assert len(drops) <= len(prompts) // 3, prompts
+
+
+def test_sdk_truncation_auto_keeps_the_whole_short_conversation(
+    tiny_server: ServerProcess,
+) -> None:
+    done = asyncio.run(_typed_turns(tiny_server.base_url, "auto", 4))
+    prompts = [d["usage"]["input_tokens"] for d in done]
+    assert prompts == sorted(prompts) and len(set(prompts)) == 4

@@ -167,6 +167,17 @@ class Session:
                             "silence_duration_ms": args.silence_ms,
                         },
                         "max_streaming_seconds": 600,
+                        **(
+                            {}
+                            if args.truncation_tokens is None
+                            else {
+                                "truncation": {
+                                    "type": "retention_ratio",
+                                    "retention_ratio": args.retention_ratio,
+                                    "token_limits": {"post_instructions": args.truncation_tokens},
+                                }
+                            }
+                        ),
                     },
                 }
             )
@@ -294,6 +305,11 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
     med = median(from_speech)
     peer_med = median(peer)
     print(f"sessions {args.sessions}, {args.duration:g} s, a question every {args.period:g} s")
+    if args.truncation_tokens is not None:
+        print(
+            f"truncation: retention_ratio {args.retention_ratio:g}, "
+            f"post_instructions {args.truncation_tokens}"
+        )
     print(
         f"questions asked {asked}, answered with audio {answered}, no audio before the next "
         f"question cancelled the answer (or the run ended) {unanswered}"
@@ -353,6 +369,13 @@ def main() -> None:
     p.add_argument("--url", default=None, help="use a running server instead of starting one")
     p.add_argument("--port", type=int, default=18940)
     p.add_argument("--peer-runs", type=int, default=3)
+    p.add_argument(
+        "--truncation-tokens",
+        type=int,
+        default=None,
+        help="sessions ask for truncation with this post_instructions budget (default: auto)",
+    )
+    p.add_argument("--retention-ratio", type=float, default=0.5)
     args = p.parse_args()
     proc = None
     base = args.url

@@ -23,6 +23,7 @@ from mlxcel.actors.realtime.protocol import (
     _common_field,
     _string,
     _td,
+    truncation_wire,
 )
 
 # Keys of session.update that may be present with their "off" value.
@@ -32,7 +33,6 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
     "tool_choice": ("auto", "none"),
     "tracing": (None,),
     "include": (None, []),
-    "truncation": ("auto", "disabled"),
     "parallel_tool_calls": (True, False),
 }
 
@@ -124,6 +124,7 @@ class OpenAIRealtime(CommonEvents):
             "tools": [],
             "tool_choice": "auto",
             "tracing": None,
+            "truncation": truncation_wire(cfg.truncation),
             "audio": {
                 "input": {
                     "format": fmt,

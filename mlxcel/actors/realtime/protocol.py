@@ -18,6 +18,7 @@ from mlxcel.actors.realtime.config import (
     SessionConfig,
     TurnDetection,
 )
+from mlxcel.actors.realtime.context import Truncation
 
 Event = dict[str, Any]
 
@@ -79,6 +80,59 @@ def _turn_detection(value: object, param: str) -> TurnDetection | None:
     return td
 
 
+def _truncation(value: object, param: str) -> Truncation | None:
+    """OpenAI Realtime's ``truncation``: "auto", "disabled" or a retention-ratio object."""
+    if value == "auto":
+        return Truncation()
+    if value == "disabled":
+        return None
+    if not isinstance(value, dict) or value.get("type") != "retention_ratio":
+        raise ProtocolError(
+            f'\'{param}\' must be "auto", "disabled" or {{"type": "retention_ratio", ...}}',
+            param=param,
+        )
+    if "retention_ratio" not in value:
+        raise ProtocolError(
+            f"'{param}.retention_ratio' is required", param=f"{param}.retention_ratio"
+        )
+    ratio = _number(value["retention_ratio"], f"{param}.retention_ratio", low=0.0, high=1.0)
+    post = None
+    for key, v in value.items():
+        p = f"{param}.{key}"
+        if key == "token_limits" and v is not None:
+            if not isinstance(v, dict):
+                raise ProtocolError(f"'{p}' must be an object", param=p)
+            for name, limit in v.items():
+                q = f"{p}.{name}"
+                if name != "post_instructions":
+                    raise ProtocolError(f"'{q}' is not supported by this server", param=q)
+                if limit is not None:
+                    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                        raise ProtocolError(f"'{q}' must be a positive integer", param=q)
+                    post = limit
+        elif key not in ("type", "retention_ratio", "token_limits"):
+            raise ProtocolError(f"'{p}' is not supported by this server", param=p)
+    return Truncation(retention_ratio=ratio, post_instructions=post)
+
+
+def truncation_wire(truncation: Truncation | None) -> object:
+    """``truncation`` as ``session.updated`` shows it."""
+    if truncation is None:
+        return "disabled"
+    if truncation == Truncation():
+        return "auto"
+    limits = (
+        None
+        if truncation.post_instructions is None
+        else {"post_instructions": truncation.post_instructions}
+    )
+    return {
+        "type": "retention_ratio",
+        "retention_ratio": truncation.retention_ratio,
+        "token_limits": limits,
+    }
+
+
 def _common_field(cfg: SessionConfig, key: str, value: object, param: str) -> bool:
     """Fields both vocabularies accept under the same name. False: not one of them."""
     if key == "model":
@@ -95,6 +149,8 @@ def _common_field(cfg: SessionConfig, key: str, value: object, param: str) -> bo
         cfg.speed = _number(value, param, low=0.25, high=4.0)
     elif key == "turn_detection":
         cfg.turn_detection = _turn_detection(value, param)
+    elif key == "truncation":
+        cfg.truncation = _truncation(value, param)
     else:
         return False
     return True
@@ -192,6 +248,7 @@ class VoiceChat(CommonEvents):
             "multi_turn": cfg.multi_turn,
             "turn_detection": None if td is None else {"type": "server_vad", **_td(td)},
             "voice": cfg.voice,
+            "truncation": truncation_wire(cfg.truncation),
         }
         return [{"type": "session.updated", "session": session}]
 
