@@ -147,14 +147,22 @@ class _PerShape:
         return True
 
 
-def _silu_mul_graph(gate: mx.array, x: mx.array) -> mx.array:
-    e = _exp_graph(-mx.abs(gate))  # e^-|g|: sigmoid without overflow on either side
-    return gate * x * mx.where(gate >= 0, 1.0, e) / (1.0 + e)
+def _neg_abs_exp_graph(gate: mx.array) -> mx.array:
+    return _exp_graph(-mx.abs(gate))  # e^-|g|: sigmoid without overflow on either side
+
+
+def _silu_mul_tail_graph(gate: mx.array, x: mx.array, e: mx.array) -> mx.array:
+    # sigmoid(g) = (1 or e) / (1 + e) for g >= 0 or < 0; the numerator as e + (1 - e) * [g >=
+    # 0] (exact both ways) because a ``where`` with a constant branch runs ~8 ns per element.
+    return gate * x * ((e + (1.0 - e) * (gate >= 0)) / (1.0 + e))
 
 
 _gelu = _PerShape(_gelu_graph)
 _exp = _PerShape(_exp_graph)
-_silu_mul = _PerShape(_silu_mul_graph)
+# Two kernels: as one chain, mlx cuts it at its depth limit into slower pieces (a [512, 1536]
+# SwiGLU: 8.8 ms as one, 3.2 ms as these two).
+_neg_abs_exp = _PerShape(_neg_abs_exp_graph)
+_silu_mul_tail = _PerShape(_silu_mul_tail_graph)
 
 
 def gelu(x: mx.array) -> mx.array:
@@ -172,7 +180,7 @@ def exp_nonpositive(x: mx.array) -> mx.array:
 
 def silu_mul(gate: mx.array, x: mx.array) -> mx.array:
     """``silu(gate) * x`` (SwiGLU), to ~2e-7 relative."""
-    return _silu_mul(gate, x)
+    return _silu_mul_tail(gate, x, _neg_abs_exp(gate))
 
 
 def layer_norm(x: mx.array, weight: mx.array, bias: mx.array, eps: float) -> mx.array:
