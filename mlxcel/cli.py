@@ -125,8 +125,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         env="LLAMA_ARG_JOIN_WINDOW",
         type=float,
         default=d.join_window,
-        help="seconds a new request may wait so that arrivals join a running batch together "
-        "(each join copies the batch's KV cache); 0 = join at once",
+        help="seconds a new request may wait, while 8 or more rows are decoding, so that "
+        "arrivals join the batch together (each join copies the batch's KV cache); 0 = join "
+        "at once",
     )
     opt(
         "--sse-ping-interval",

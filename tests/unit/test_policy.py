@@ -124,7 +124,7 @@ def test_priority_lanes_are_strict_and_fifo_within_a_lane() -> None:
 
 
 def test_join_window_groups_arrivals_into_the_running_batch() -> None:
-    state = policy.SchedulerState(parallel=4, join_window=0.5)
+    state = policy.SchedulerState(parallel=4, join_window=0.5, join_min_rows=1)
     state.enqueue(item("a"), now=0.0)
     assert [s.request_id for s in policy.plan(state, (), now=0.0).plan.inserts] == [
         "a"
@@ -139,8 +139,22 @@ def test_join_window_groups_arrivals_into_the_running_batch() -> None:
     assert [s.request_id for s in policy.plan(state, (), now=2.0).plan.inserts] == ["d"]
 
 
+def test_with_few_rows_decoding_an_arrival_does_not_wait_for_company() -> None:
+    state = policy.SchedulerState(parallel=16, join_window=0.5, join_min_rows=3)
+    state.enqueue(item("a"), now=0.0)
+    state.enqueue(item("b"), now=0.0)
+    policy.plan(state, (), now=0.0)
+    state.enqueue(item("c"), now=1.0)
+    # Two rows decoding, under join_min_rows: joining costs them less than c would wait.
+    assert [s.request_id for s in policy.plan(state, (), now=1.0).plan.inserts] == ["c"]
+    state.enqueue(item("d"), now=2.0)
+    # Three rows now: d waits for company (the window), up to 0.5 s.
+    assert policy.plan(state, (), now=2.1).plan.inserts == ()
+    assert [s.request_id for s in policy.plan(state, (), now=2.5).plan.inserts] == ["d"]
+
+
 def test_a_high_priority_arrival_joins_at_once_and_brings_the_waiting_along() -> None:
-    state = policy.SchedulerState(parallel=4, join_window=0.5)
+    state = policy.SchedulerState(parallel=4, join_window=0.5, join_min_rows=1)
     state.enqueue(item("a"), now=0.0)
     policy.plan(state, (), now=0.0)
     state.enqueue(item("b"), now=1.0)

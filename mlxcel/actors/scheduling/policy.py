@@ -25,6 +25,11 @@ class SchedulerState:
     # Seconds a request may wait so that arrivals join the running batch together: every
     # insertion copies the batch's KV cache, so one insertion of many beats many of one.
     join_window: float = 0.0
+    # The window applies only with at least this many rows decoding. A join stalls every
+    # running row for one extra model pass and one copy of the batch's KV cache, so grouping
+    # arrivals saves that many rows' time; with a few rows running, the arrival's own wait
+    # costs more than it saves (measured: see docs/performance.md, "join window").
+    join_min_rows: int = 8
     arrived: dict[str, float] = attrs.field(factory=dict)
     # Slot positions as llama-server numbers them (/slots): the request id in each, or None.
     # A request with n choices holds n slots; ``slot_choices`` says which choice is in each.
@@ -88,10 +93,11 @@ class SchedulerState:
         self.arrived[item.request.request_id] = now
 
     def may_join(self, now: float) -> bool:
-        """Start waiting requests now? Yes when idle, when they fill every free slot, when a
-        high-priority one waits (a live voice turn, ``X-Priority: 0``: its first word is worth
-        more than the copy saved), or once the oldest has waited out the join window."""
-        if not self.running or self.join_window <= 0:
+        """Start waiting requests now? Yes when idle or with few rows decoding, when they fill
+        every free slot, when a high-priority one waits (a live voice turn, ``X-Priority: 0``:
+        its first word is worth more than the copy saved), or once the oldest has waited out
+        the join window."""
+        if not self.running or self.join_window <= 0 or self.rows < self.join_min_rows:
             return True
         if any(i.request.priority == 0 for i in self.waiting):
             return True
