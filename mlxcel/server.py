@@ -160,6 +160,7 @@ async def serve(
             tts=audio.tts,
         )
         metrics.live.running = lambda: scheduler.running
+        metrics.live.rows = lambda: scheduler.rows
         metrics.live.waiting = lambda: scheduler.waiting
         metrics.live.queued = lambda: admission.queued
         metrics.live.cache = lambda: scheduler.cache_stats

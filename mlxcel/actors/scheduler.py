@@ -69,6 +69,11 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._state.waiting)
 
+    @property
+    def rows(self) -> int:
+        """Batch rows decoding: one per choice (a request with n choices holds n)."""
+        return self._state.rows
+
     def slot_items(self) -> list[tuple[Tokenized, int] | None]:
         """Per slot: the request in it and which of its choices, or None when free."""
         state = self._state

@@ -227,7 +227,7 @@ def attention(
     q = (queries * scale).reshape(b, kv_heads, rep * n, d)
     # With a few query rows (decode), BLAS streams the KV cache ~20 % faster as the big left
     # operand: scores^T = K q^T and out^T = V^T w^T (measured 8 rows x 930 keys, 30 layers:
-    # 106 -> 91 ms; a whole decode step 277 -> 254 ms). The softmax still runs on contiguous
+    # 106 -> 91 ms; a whole decode step 268 -> 253 ms). The softmax still runs on contiguous
     # rows. Short key lists (BERT's sentences) gain nothing and keep the plain form.
     few = rep * n <= FEW_QUERY_ROWS and kv_len >= FEW_QUERY_MIN_KEYS
     if few:

@@ -34,6 +34,7 @@ class _Live(Collector):
 
     def __init__(self) -> None:
         self.running: Callable[[], int] = lambda: 0
+        self.rows: Callable[[], int] = lambda: 0
         self.waiting: Callable[[], int] = lambda: 0
         self.queued: Callable[[], int] = lambda: 0
         self.cache: Callable[[], CacheStats] = CacheStats
@@ -49,7 +50,9 @@ class _Live(Collector):
             "mlxcel_queue_depth", "Requests admitted and waiting for a slot.", value=self.queued()
         )
         yield GaugeMetricFamily(
-            "mlxcel_batch_size", "Sequences in the running batch.", value=self.running()
+            "mlxcel_batch_size",
+            "Sequences (rows: one per choice) in the running batch.",
+            value=self.rows(),
         )
         s = self.cache()
         yield CounterMetricFamily(

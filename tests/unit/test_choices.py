@@ -289,3 +289,24 @@ async def test_slots_show_one_slot_per_choice(smollm_tokenizer: Any) -> None:
         busy = [s for s in slots if s["is_processing"]]
     assert len(busy) == 2 and len({s["id_task"] for s in busy}) == 1
     assert sorted(s["n_choice"] for s in busy) == [0, 1]
+
+
+async def test_metrics_count_batch_rows_per_choice(smollm_tokenizer: Any) -> None:
+    # One request with n=3: one request processing, three rows in the batch.
+    async with fake_server(smollm_tokenizer, step_delay=0.02, metrics_endpoint=True) as (
+        client,
+        backend,
+        _,
+    ):
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat(max_tokens=100_000, n=3, stream=True)
+        ):
+            await wait_until(lambda: backend.rows == 3)
+            text = (await client.get("/metrics")).text
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+        assert values["llamacpp:requests_processing"] == 1
+        assert values["mlxcel_batch_size"] == 3
