@@ -10,7 +10,7 @@ import trio
 
 from mlxcel.actors.realtime.protocol import VoiceChat
 from mlxcel.actors.realtime.vad import shared_model
-from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
+from mlxcel.actors.realtime_voice import MAX_HISTORY_ITEMS, Item, RealtimeSession, VoiceDeps
 from mlxcel.runtime.messages import SamplingParams
 
 
@@ -89,3 +89,21 @@ async def test_two_sessions_one_stuck_the_other_served() -> None:
     assert len(pongs) == 50
     assert fine.closed == (1000, "session cancelled")
     assert stuck.closed is not None and stuck.closed[0] == 1008
+
+
+async def test_a_long_conversation_forgets_its_oldest_quarter_at_once() -> None:
+    # Past MAX_HISTORY_ITEMS the oldest quarter goes in one drop (the prompt's start then
+    # stays put for the next 64 items), and the truncation cut moves with the items.
+    session = RealtimeSession(StuckClient(), deps(max_outbox_bytes=2000), VoiceChat(22_050))
+    for i in range(MAX_HISTORY_ITEMS):
+        session._remember(Item(f"item_{i}", "user", f"q{i}"))
+    session._context_from = 100
+    session._remember(Item("one_more", "user", "q"))
+    drop = MAX_HISTORY_ITEMS // 4
+    assert len(session._history) == MAX_HISTORY_ITEMS + 1 - drop
+    assert session._history[0].id == f"item_{drop}"
+    assert session._context_from == 100 - drop
+    assert session._messages(None)[0]["content"] == "q100"
+    for i in range(drop - 1):  # no further drop until the cap is passed again
+        session._remember(Item(f"later_{i}", "user", "q"))
+    assert len(session._history) == MAX_HISTORY_ITEMS
