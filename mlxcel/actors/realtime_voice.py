@@ -34,7 +34,6 @@ import trio
 
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.worker import AudioWorker
-from mlxcel.actors.realtime import context
 from mlxcel.actors.realtime.audio import (
     FRAME_SAMPLES,
     STT_RATE,
@@ -56,6 +55,7 @@ from mlxcel.actors.realtime.sentences import SentenceSplitter
 from mlxcel.actors.realtime.vad import SileroModel, VadStream
 from mlxcel.runtime.errors import MlxcelError
 from mlxcel.runtime.messages import ChatPrompt, GenerationRequest, SamplingParams
+from mlxcel.runtime.truncation import budget, first_kept
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class RealtimeSession:
         self._early: EarlyTranscript | None = None
         self._jobs_tx, self._jobs_rx = trio.open_memory_channel[Job](MAX_PENDING_JOBS)
         self._history: list[Item] = []
-        # The first item of ``_history`` the model reads (``truncation``; see context.py).
+        # The first item of ``_history`` the model reads (``truncation``: runtime/truncation.py).
         self._context_from = 0
         self._active: tuple[ResponseState, trio.CancelScope] | None = None
         self._started = trio.current_time()
@@ -567,8 +567,9 @@ class RealtimeSession:
         return instructions if instructions is not None else self.cfg.instructions
 
     def _fit_context(self, request: GenerationRequest, system: str, items: list[Item]) -> int:
-        """Where the cut goes for this prompt (see context.py). Runs in a thread: it encodes
-        the prompt once, and ~log2(items) more times when it cuts; ``items`` is a snapshot."""
+        """Where the cut goes for this prompt (runtime/truncation.py). Runs in a thread: it
+        encodes the prompt once, and ~log2(items) more times when it cuts; ``items`` is a
+        snapshot."""
         count, truncation = self._deps.count_tokens, self.cfg.truncation
         if count is None or truncation is None or not self._deps.context_length:
             return self._context_from
@@ -578,13 +579,13 @@ class RealtimeSession:
             return count(attrs.evolve(request, prompt=prompt))
 
         base = tokens(len(items))
-        limit = context.budget(
+        limit = budget(
             truncation,
             context=self._deps.context_length,
             instructions=base,
             max_output=request.max_tokens,
         )
-        return context.first_kept(
+        return first_kept(
             len(items),
             self._context_from,
             lambda k: tokens(k) - base,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import trio
@@ -36,6 +36,7 @@ from mlxcel.http.responses_wire import (
     new_id,
     parse_body,
 )
+from mlxcel.runtime import truncation
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot
@@ -140,7 +141,7 @@ def _echo(
         "conversation": {"id": conv} if conv else None,
         "reasoning": body.reasoning,
         "text": body.text or {"format": {"type": "text"}},
-        "truncation": "disabled",
+        "truncation": body.truncation or "disabled",
         "store": stored,
         "background": False,
         "user": body.user,
@@ -252,14 +253,20 @@ async def create() -> Response:
     items = input_items(body.input)
     history, conv = await load_history(store, body)
     rid = new_id("resp")
-    gen = generation_request(
-        body,
-        rid,
-        [*history, *items],
-        ctx.settings.sampling,
-        len(ctx.info.tokenizer),
-        ctx.settings.reasoning_budget,
-    )
+
+    def build(context: list[dict[str, Any]]) -> GenerationRequest:
+        return generation_request(
+            body,
+            rid,
+            context,
+            ctx.settings.sampling,
+            len(ctx.info.tokenizer),
+            ctx.settings.reasoning_budget,
+        )
+
+    gen = build([*history, *items])
+    if body.truncation == "auto":
+        gen = await trio.to_thread.run_sync(_truncated, ctx, gen, [*history, *items], build)
     if gen.parse_tools and ctx.tool_format is None:
         raise InvalidRequest(
             "This model's chat template has no tool-call format, so it cannot call tools.",
@@ -286,6 +293,36 @@ async def create() -> Response:
     finally:
         turn.close()
     return _json(obj)
+
+
+def _truncated(
+    ctx: ServerContext,
+    gen: GenerationRequest,
+    context: list[dict[str, Any]],
+    build: Callable[[list[dict[str, Any]]], GenerationRequest],
+) -> GenerationRequest:
+    """``truncation: "auto"``: when the prompt leaves the answer no room (its
+    ``max_output_tokens``, else a quarter of the window), the oldest items go, whole turns at a
+    time (a cut falls only before a user message, so a tool call keeps its output), until it
+    fits. The last turn always stays; if it alone is too long, the usual 400 follows. Runs in
+    a thread: it encodes the prompt once, and ~log2(turns) more times when it cuts."""
+    window = ctx.info.context_length
+    room = min(gen.max_tokens or window // 4, window // 2)
+    limit = window - room
+    starts = [i for i, item in enumerate(context) if _starts_turn(item)]
+    if not starts or len(ctx.tokenizer.encode(gen)) <= limit:
+        return gen
+    first = truncation.first_kept(
+        len(starts), 0, lambda k: len(ctx.tokenizer.encode(build(context[starts[k] :]))), limit, 1.0
+    )
+    log.info(
+        "response %s: the model reads items %d.. of %d", gen.request_id, starts[first], len(context)
+    )
+    return build(context[starts[first] :])
+
+
+def _starts_turn(item: dict[str, Any]) -> bool:
+    return item.get("type", "message") == "message" and item.get("role") == "user"
 
 
 async def _stream(turn: _Turn) -> AsyncIterator[bytes]:

@@ -93,8 +93,8 @@ def parse_body(data: Any) -> ResponsesBody:
             "send the request with stream or wait for it",
             param="background",
         )
-    if body.truncation not in (None, "disabled"):
-        raise InvalidRequest("only truncation 'disabled' is supported", param="truncation")
+    if body.truncation not in (None, "disabled", "auto"):
+        raise InvalidRequest("truncation must be 'auto' or 'disabled'", param="truncation")
     if body.previous_response_id is not None and body.conversation is not None:
         raise InvalidRequest(
             "previous_response_id and conversation cannot be used together",

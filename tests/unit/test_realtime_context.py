@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 
 from mlxcel.actors.realtime.config import ProtocolError, SessionConfig
-from mlxcel.actors.realtime.context import Truncation, budget, first_kept
 from mlxcel.actors.realtime.openai_events import OpenAIRealtime
 from mlxcel.actors.realtime.protocol import VoiceChat, truncation_wire
+from mlxcel.runtime.truncation import Truncation, budget, first_kept
 
 
 def tokens_from(sizes: list[int], calls: list[int]) -> Callable[[int], int]:

@@ -286,7 +286,7 @@ async def test_retrieve_delete_and_input_items(smollm_tokenizer: Any, tmp_path: 
 async def test_requests_we_cannot_honour_are_400s(smollm_tokenizer: Any, tmp_path: Path) -> None:
     cases: list[tuple[dict[str, Any], int, str | None]] = [
         ({"input": "Hi", "background": True}, 400, "background"),
-        ({"input": "Hi", "truncation": "auto"}, 400, "truncation"),
+        ({"input": "Hi", "truncation": "sometimes"}, 400, "truncation"),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
         ({"input": "Hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
         (
@@ -497,3 +497,31 @@ async def test_conversation_item_routes_and_concurrent_turns(
     texts = [i.content[0].text for i in items]  # type: ignore[union-attr]
     assert texts[0] == "Seed." and len(items) == 5
     assert {"A?", "B?"} <= set(texts) and texts.count("Hello there, friend.") == 2
+
+
+async def test_truncation_auto_drops_the_oldest_turns_to_leave_room(
+    smollm_tokenizer: Any, tmp_path: Path
+) -> None:
+    # A 512-token window and a long conversation passed as input items: "disabled" (the
+    # default) is the usual context 400; "auto" drops whole turns from the start until the
+    # prompt leaves max_output_tokens of room, and the answer comes.
+    turns: list[dict[str, Any]] = []
+    for i in range(12):
+        turns.append({"role": "user", "content": f"Question {i}: " + "tell me more " * 8})
+        turns.append({"role": "assistant", "content": f"Answer {i}: " + "here is more " * 8})
+    turns.append({"role": "user", "content": "The last question."})
+    body = {"model": "fake", "input": turns, "max_output_tokens": 64, "store": False}
+    async with server(smollm_tokenizer, tmp_path, ctx_size=512) as (client, _, _, prompts, _):
+        refused = await client.post("/v1/responses", json=body)
+        r = await client.post("/v1/responses", json={**body, "truncation": "auto"})
+    assert refused.status_code == 400 and "context" in refused.json()["error"]["message"]
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["status"] == "completed" and out["truncation"] == "auto"
+    assert out["usage"]["input_tokens"] <= 512 - 64
+    shown = prompts[-1]
+    assert "The last question." in shown and "Question 0:" not in shown
+    # Whole turns: the model's view starts at a user message, and the newest turns stay.
+    assert "Question 11:" in shown and "Answer 11:" in shown
+    first_user = shown.index("<|im_start|>user")
+    assert "<|im_start|>assistant" not in shown[:first_user]

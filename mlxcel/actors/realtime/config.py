@@ -6,7 +6,7 @@ import secrets
 
 import attrs
 
-from mlxcel.actors.realtime.context import Truncation
+from mlxcel.runtime.truncation import Truncation
 
 # The seed's cap on a session's life (caches grew with every frame there; here it bounds how
 # long one client may hold a session place).
@@ -62,7 +62,7 @@ class SessionConfig:
     output_rate: int = 22_050
     language: str | None = None
     transcription_prompt: str | None = None
-    # Which items the model reads once the conversation outgrows its budget (see context.py);
+    # Which items the model reads once the conversation outgrows its budget (runtime/truncation.py);
     # None ("disabled"): all of them, and an answer whose prompt is too long fails.
     truncation: Truncation | None = attrs.field(factory=Truncation)
 

@@ -18,7 +18,7 @@ from mlxcel.actors.realtime.config import (
     SessionConfig,
     TurnDetection,
 )
-from mlxcel.actors.realtime.context import Truncation
+from mlxcel.runtime.truncation import Truncation
 
 Event = dict[str, Any]
 

@@ -1,10 +1,12 @@
-"""Which of a session's items the model reads: OpenAI Realtime's ``truncation``.
+"""Which of a conversation's items the model reads: OpenAI's ``truncation``.
 
-A voice conversation only grows. Past its token budget the oldest items leave the model's
-context (they stay in the conversation). The cut is *sticky*: it moves only when the budget
-is exceeded again, so between cuts every turn's prompt starts the same way and the prompt
-cache serves all but the new turn. ``retention_ratio`` cuts deeper than needed (0.8: down to
-80 % of the budget) so that cuts, each a cache miss, come less often.
+Realtime sessions use all of this; the Responses API's ``truncation: "auto"`` uses
+``first_kept`` (whole turns, just enough to fit). A voice conversation only grows. Past its
+token budget the oldest items leave the model's context (they stay in the conversation).
+The cut is *sticky*: it moves only when the budget is exceeded again, so between cuts every
+turn's prompt starts the same way and the prompt cache serves all but the new turn.
+``retention_ratio`` cuts deeper than needed (0.8: down to 80 % of the budget) so that cuts,
+each a cache miss, come less often.
 """
 
 from __future__ import annotations
