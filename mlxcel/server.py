@@ -25,6 +25,7 @@ from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.session_store import open_session_store
 from mlxcel.actors.side_models import GenerationDisabled, start_side_models
+from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import detect as detect_tools
@@ -142,6 +143,8 @@ async def serve(
         await root.start(admission.run)
         session_store = open_session_store(settings)
         await root.start(session_store.run)
+        streams = StreamSessions()
+        await root.start(streams.run)
 
         ctx = ServerContext(
             settings=settings,
@@ -158,6 +161,7 @@ async def serve(
             session_store=session_store,
             stt=audio.stt,
             tts=audio.tts,
+            streams=streams,
         )
         metrics.live.running = lambda: scheduler.running
         metrics.live.rows = lambda: scheduler.rows

@@ -110,7 +110,7 @@ async def _collect(slot: OutputSlot) -> Collected:
 def _stream(
     ctx: ServerContext, slot: OutputSlot, req: MessagesRequest, message: dict[str, Any]
 ) -> Response:
-    ping = ctx.settings.sse_ping_interval if ctx.settings.sse_ping_enabled else float("inf")
+    ping = ctx.ping_interval
     blocks = BlockStream(req.thinking)
 
     def start() -> bytes:

@@ -20,6 +20,7 @@ from mlxcel.http import (
     ops,
     responses,
     security,
+    streams,
 )
 from mlxcel.http import realtime as realtime_ws
 from mlxcel.http.context import ServerContext
@@ -63,6 +64,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(responses.bp, url_prefix=prefix)
     app.register_blueprint(conversations.bp, url_prefix=prefix)
     app.register_blueprint(anthropic.bp, url_prefix=prefix)
+    app.register_blueprint(streams.bp, url_prefix=prefix)
     app.register_blueprint(audio.bp, url_prefix=prefix)
     app.register_blueprint(realtime_ws.bp, url_prefix=prefix)
 

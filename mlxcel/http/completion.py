@@ -170,7 +170,7 @@ async def _run(body: NativeCompletionBody, prompt: Prompt) -> Response:
 
 
 def _stream(ctx: ServerContext, slot: OutputSlot) -> Response:
-    ping = ctx.settings.sse_ping_interval if ctx.settings.sse_ping_enabled else float("inf")
+    ping = ctx.ping_interval
 
     async def body() -> AsyncIterator[bytes]:
         try:

@@ -15,6 +15,7 @@ from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.session_store import SessionStore
+from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime.errors import NotFound
@@ -48,6 +49,14 @@ class ServerContext:
     # Audio workers (None when not loaded: --no-audio, --stt-model none, nothing installed).
     stt: SpeechToText | None = None
     tts: TextToSpeech | None = None
+    # Resumable streams (X-Conversation-Id), run by their own actor.
+    streams: StreamSessions = attrs.field(factory=StreamSessions)
+
+    @property
+    def ping_interval(self) -> float:
+        """Seconds between SSE keepalive comments (inf: none)."""
+        s = self.settings
+        return s.sse_ping_interval if s.sse_ping_enabled else float("inf")
 
     @property
     def model_id(self) -> str:

@@ -104,7 +104,7 @@ def _stream(
     first: dict[str, Any] | None,
     options: StreamOptions | None,
 ) -> Response:
-    ping = ctx.settings.sse_ping_interval if ctx.settings.sse_ping_enabled else float("inf")
+    ping = ctx.ping_interval
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse.data({**base, "choices": choices, **extra})

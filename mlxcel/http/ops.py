@@ -14,7 +14,12 @@ from mlxcel.http.audio import audio_capabilities
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import capabilities_props
 from mlxcel.http.errors import error_response
-from mlxcel.runtime.errors import NotImplementedRoute, ServiceError
+from mlxcel.runtime.errors import (
+    FeatureDisabled,
+    InvalidRequest,
+    NotImplementedRoute,
+    ServiceError,
+)
 
 bp = Blueprint("ops", __name__)
 
@@ -130,3 +135,61 @@ async def metrics() -> Response:
     if not ctx.settings.metrics_endpoint:
         return _gated("metrics endpoint", "--metrics")
     return Response(ctx.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
+@bp.post("/slots/<int:slot_id>")
+async def slot_action(slot_id: int) -> Response:
+    """llama-server saves, restores and erases a slot's KV cache with `--slot-save-path`. Our
+    slots are batch rows with no KV of their own between requests (prompts live in the shared
+    prefix cache: /v1/cache/stats, /v1/cache/reset), so every action is 501, after the same
+    checks llama-server makes first."""
+    ctx = server()
+    if not ctx.settings.slots_endpoint:
+        return _gated("slots endpoint", "--slots")
+    action = request.args.get("action", "")
+    if action not in SLOT_ACTIONS:
+        raise InvalidRequest(
+            f"Invalid action {action!r}: expected one of {', '.join(SLOT_ACTIONS)}", param="action"
+        )
+    if not 0 <= slot_id < ctx.settings.parallel:
+        raise InvalidRequest(f"Invalid slot id {slot_id}", param="id_slot")
+    return error_response(
+        NotSupported(
+            f"This server does not support slot {action}: its prompts are kept in the shared "
+            "prefix cache (/v1/cache/stats, /v1/cache/reset), not per slot"
+        ),
+        "native",
+    )
+
+
+@bp.get("/lora-adapters")
+async def lora_adapters() -> Response:
+    """No LoRA adapters are loaded (there is no `--lora`): the list is empty."""
+    return _json([])
+
+
+@bp.post("/lora-adapters")
+async def set_lora_adapters() -> Response:
+    """Scales for loaded adapters; with none loaded, only the empty list is valid."""
+    try:
+        body = json.loads(await request.get_data(as_text=True) or "null")
+    except json.JSONDecodeError as error:
+        raise InvalidRequest(f"Invalid JSON body: {error}") from None
+    if not isinstance(body, list):
+        raise InvalidRequest("Expected a list of {id, scale}")
+    if body:
+        raise InvalidRequest(
+            "No LoRA adapters are loaded, so there is no adapter id to set a scale for",
+            param="id",
+        )
+    return _json({"success": True})
+
+
+@bp.route("/tools", methods=["GET", "POST"])
+@bp.route("/cors-proxy", methods=["GET", "POST"])
+async def disabled_feature() -> Response:
+    """llama-server's web-UI helpers (MCP tools, a CORS proxy): never offered here."""
+    raise FeatureDisabled(f"{request.path} is disabled on this server")

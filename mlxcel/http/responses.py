@@ -329,7 +329,7 @@ async def _stream(turn: _Turn) -> AsyncIterator[bytes]:
     """The typed event stream. Cancellation (the client went away) aborts the generation in
     the ``finally``; nothing is stored for a response nobody received."""
     ctx = turn.ctx
-    ping = ctx.settings.sse_ping_interval if ctx.settings.sse_ping_enabled else float("inf")
+    ping = ctx.ping_interval
     try:
         start = turn.snapshot()
         yield turn.event({"type": "response.created", "response": start})

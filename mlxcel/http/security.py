@@ -22,8 +22,8 @@ UNAUTHORIZED = json.dumps(
     {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
 )
 ALLOW_HEADERS = (
-    "Authorization, Content-Type, X-Api-Key, X-Priority, Anthropic-Version, OpenAI-Beta, "
-    "Anthropic-Beta, Anthropic-Dangerous-Direct-Browser-Access"
+    "Authorization, Content-Type, X-Api-Key, X-Priority, X-Conversation-Id, Anthropic-Version, "
+    "OpenAI-Beta, Anthropic-Beta, Anthropic-Dangerous-Direct-Browser-Access"
 )
 ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
@@ -34,6 +34,11 @@ def presented_key() -> str | None:
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
     return request.headers.get("X-Api-Key") or None
+
+
+def stream_owner(settings: Settings) -> str | None:
+    """Whose resumable streams a request may see: its key's, or everyone's without keys."""
+    return presented_key() if settings.api_keys else None
 
 
 def key_ok(key: str | None, keys: frozenset[str]) -> bool:

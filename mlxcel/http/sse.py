@@ -6,9 +6,17 @@ import json
 import weakref
 from collections.abc import AsyncIterator, Callable
 
-from quart import Response
+from quart import Response, has_request_context, request
 
-KEEPALIVE = b": keepalive\n\n"
+from mlxcel.actors.stream_sessions import KEEPALIVE
+from mlxcel.http.context import server
+from mlxcel.http.security import stream_owner
+from mlxcel.runtime.errors import InvalidRequest
+
+__all__ = ["DONE", "HEADERS", "KEEPALIVE", "data", "event", "response"]
+
+# A conversation id is a key and comes back in lookups: long ones are refused, not stored.
+MAX_CONVERSATION_ID = 256
 DONE = b"data: [DONE]\n\n"
 
 
@@ -34,5 +42,39 @@ def response(body: AsyncIterator[bytes], on_drop: Callable[[], None]) -> Respons
     must be idempotent, e.g. ``slot.cancel``) also runs when the body is collected, so that
     case aborts the generation too.
     """
+    try:
+        conversation_id = _conversation_id()
+    except InvalidRequest:
+        on_drop()  # the generation has started: the refusal must stop it
+        raise
+    if conversation_id is not None:
+        return _resumable(conversation_id, body, on_drop)
     weakref.finalize(body, on_drop)
     return Response(body, content_type="text/event-stream", headers=HEADERS)
+
+
+def _conversation_id() -> str | None:
+    if not has_request_context():
+        return None
+    value = request.headers.get("X-Conversation-Id", "").strip()
+    if not value:
+        return None
+    if len(value) > MAX_CONVERSATION_ID:
+        raise InvalidRequest(
+            f"X-Conversation-Id is longer than {MAX_CONVERSATION_ID} characters",
+            param="X-Conversation-Id",
+        )
+    return value
+
+
+def _resumable(
+    conversation_id: str, body: AsyncIterator[bytes], on_drop: Callable[[], None]
+) -> Response:
+    """With ``X-Conversation-Id`` the stream runs in the stream-sessions actor, and this
+    client is its first reader: leaving does not stop the generation, and ``GET /v1/stream``
+    picks it up again from any byte offset."""
+    ctx = server()
+    session = ctx.streams.attach(stream_owner(ctx.settings), conversation_id, body, on_drop)
+    return Response(
+        session.follow(0, ctx.ping_interval), content_type="text/event-stream", headers=HEADERS
+    )

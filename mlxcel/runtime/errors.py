@@ -8,6 +8,7 @@ status code and to the error envelope of the API family that was called, in one 
     │   ├── InvalidRequest           400: malformed JSON, wrong type, out-of-range field
     │   │   └── UnsupportedField     400: a field we cannot honour, named
     │   ├── AuthenticationFailed     401
+    │   ├── FeatureDisabled          403: a llama-server feature this server never offers
     │   ├── NotFound                 404: unknown model or route object
     │   └── PayloadTooLarge          413
     ├── ServiceError                 the server cannot serve it now (5xx)
@@ -51,6 +52,11 @@ class UnsupportedField(InvalidRequest):
 class AuthenticationFailed(RequestError):
     status = 401
     error_type = "authentication_error"
+
+
+class FeatureDisabled(RequestError):
+    status = 403
+    error_type = "feature_disabled"
 
 
 class NotFound(RequestError):

@@ -429,3 +429,36 @@ def test_infill_with_fim_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert out["tokens_evaluated"] == len(prefix_ids) + len(suffix_ids) + 3
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "kind", "message"),
+    [
+        ("POST", "/slots/0?action=save", {"filename": "a.bin"}, 501, "not_supported_error", "save"),
+        ("POST", "/slots/1?action=erase", None, 501, "not_supported_error", "erase"),
+        ("POST", "/slots/0?action=fly", None, 400, "invalid_request_error", "Invalid action"),
+        ("POST", "/slots/99?action=erase", None, 400, "invalid_request_error", "slot id"),
+        ("POST", "/lora-adapters", [{"id": 0, "scale": 0.5}], 400, "invalid_request_error", "LoRA"),
+        ("GET", "/tools", None, 403, "feature_disabled", "/tools"),
+        ("POST", "/cors-proxy", {"url": "http://x"}, 403, "feature_disabled", "/cors-proxy"),
+    ],
+)
+def test_llama_server_routes_we_do_not_offer_say_so_in_the_native_envelope(
+    tiny_server: ServerProcess,
+    method: str,
+    path: str,
+    body: object,
+    status: int,
+    kind: str,
+    message: str,
+) -> None:
+    r = httpx.request(method, f"{tiny_server.base_url}{path}", json=body)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["code"] == status and error["type"] == kind and message in error["message"]
+
+
+def test_lora_adapters_lists_none_and_accepts_the_empty_list(tiny_server: ServerProcess) -> None:
+    base = tiny_server.base_url
+    assert httpx.get(f"{base}/lora-adapters").json() == []
+    assert httpx.post(f"{base}/lora-adapters", json=[]).json() == {"success": True}
