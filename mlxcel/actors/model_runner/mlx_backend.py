@@ -14,11 +14,12 @@ from typing import Any
 
 import attrs
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 
-from mlxcel.actors.model_runner import sampler_chain
+from mlxcel.actors.model_runner import batch_cache, sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
+from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
 from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.reasoning import detect_reasoning
@@ -62,8 +63,13 @@ class MlxBackend:
             chat_template=loaded.chat_template,
             description=f"{loaded.model_id} ({loaded.dtype})",
         )
-        self._gen = BatchGenerator(
+        batch_cache.install()
+        # Rows reading a prompt for a request with more choices to fork once it is read.
+        self._forks: dict[int, InsertSequence] = {}
+        self._gen = EagerStartBatchGenerator(
             loaded.model,
+            # A row whose choices fork from its prompt cache keeps mlx-lm's pace (see _fork).
+            hold=self._forks.__contains__,
             max_tokens=ctx,
             stop_tokens=[[t] for t in sorted(loaded.eos_token_ids)],
             completion_batch_size=settings.parallel,
@@ -83,8 +89,6 @@ class MlxBackend:
         self._cache_key: dict[str, str] = {}
         # Top-k asked for, per row that wants log-probabilities.
         self._logprobs: dict[int, int] = {}
-        # Rows reading a prompt for a request with more choices to fork once it is read.
-        self._forks: dict[int, InsertSequence] = {}
         # Per row with a grammar or a thinking budget (each choice has its own).
         self._guides: dict[int, Guide] = {}
         self._kit = _guide_kit(loaded, self._encode, self._vocab_size)

@@ -1,0 +1,207 @@
+"""mlx-lm's ``BatchGenerator``, where a joining row costs no model pass of its own beyond its
+prompt, and its first token still comes out one step sooner.
+
+mlx-lm reads a prompt (all but its last token) in one step. In the next, after that step's
+decode of the batch, it runs the row alone through the model on the last prompt token to
+sample its first token, and copies the row into the generation batch; the first token comes
+out of the step after that. On this CPU every model pass costs ~0.1 s whatever its rows (the
+weights are read from memory each time), and a step with 8 rows decoding is ~0.25 s, so each
+arrival cost everyone an extra ~0.1 s pass, and itself two whole steps before its first token.
+
+Here, in the step that reads the rest of its prompt, the row joins the generation batch with
+its last prompt token as its next input, "primed": the next batch step reads that token along
+with every other row's (no pass of its own) and samples its first token, which is handed out
+at the end of that same step instead of a step later. The step after, the row's first token
+is read as usual but not handed out again. Samplers, logits processors (they see the whole
+prompt, as in mlx-lm) and stop sequences are mlx-lm's own, and every token is the same as
+mlx-lm's generator gives (tests/unit/test_eager_start.py).
+
+Rows the caller holds back (``hold``) keep mlx-lm's pace: the backend's forking of n choices
+extracts a row's cache right after its prompt, before the last token is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+
+# Where a row stands with its first token.
+NORMAL = 0
+# Its input this step is its last prompt token: it reports the token sampled from it now.
+PRIMED = 1
+# Its input this step is the first token, already reported: report nothing.
+REPORTED = 2
+
+_NO_LOGPROBS = mx.zeros((1,))
+
+
+class PrimedGenerationBatch(GenerationBatch):
+    def __init__(self, *args: Any, primed: bool = False, **kwargs: Any) -> None:
+        self._priming = primed
+        super().__init__(*args, **kwargs)
+        self._starts = [PRIMED if primed else NORMAL] * len(self.uids)
+        if primed:
+            self._next_logprobs = [_NO_LOGPROBS] * len(self.uids)
+
+    @classmethod
+    def joining(cls, source: PromptProcessingBatch, last: list[list[int]]) -> Any:
+        """The rows of ``source`` (prompts read but their last token), primed with it."""
+        batch = cls(
+            source.model,
+            source.uids,
+            mx.array([t[-1] for t in last]),
+            source.prompt_cache,
+            source.tokens,
+            source.samplers,
+            source.fallback_sampler,
+            source.logits_processors,
+            source.stop_sequences,
+            source.max_tokens,
+            primed=True,
+        )
+        source.uids, source.prompt_cache, source.tokens = [], [], []
+        source.samplers, source.logits_processors, source.max_tokens = [], [], []
+        return batch
+
+    def _step(self) -> Any:
+        if self._priming:  # the constructor's own pass: skipped, the batch step does it
+            self._priming = False
+            return [], []
+        return super()._step()
+
+    def extend(self, batch: Any) -> None:
+        super().extend(batch)
+        self._starts.extend(getattr(batch, "_starts", [NORMAL] * len(batch.uids)))
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self._starts = [self._starts[i] for i in keep]
+
+    def next(self) -> list[Any]:
+        """mlx-lm's ``next``, but primed rows report the token sampled in this step, and
+        rows that reported it already report nothing."""
+        if not self.uids:
+            return []
+        tokens, logprobs = self._step()
+        starts = self._starts
+        first: list[int] = []
+        if PRIMED in starts:
+            primed = [self._next_logprobs[i] for i, s in enumerate(starts) if s == PRIMED]
+            mx.eval(self._next_tokens, primed)
+            first = self._next_tokens.tolist()
+        keep = []
+        responses = []
+        for i, uid in enumerate(self.uids):
+            if starts[i] == REPORTED:
+                starts[i] = NORMAL
+                keep.append(i)
+                continue
+            if starts[i] == PRIMED:
+                starts[i] = REPORTED
+                token, dist = first[i], self._next_logprobs[i]
+            else:
+                token, dist = tokens[i], logprobs[i]
+            finish_reason = None
+            self._num_tokens[i] += 1
+            if self._num_tokens[i] >= self.max_tokens[i]:
+                finish_reason = "length"
+            if self._matchers[i].advance(token):
+                finish_reason = "stop"
+            done = finish_reason is not None
+            if not done:
+                keep.append(i)
+            responses.append(
+                self.Response(
+                    uid=uid,
+                    token=token,
+                    logprobs=dist,
+                    finish_reason=finish_reason,
+                    # The cache and its tokens agree: a token reported early is in neither.
+                    prompt_cache=self.extract_cache(i) if done else None,
+                    all_tokens=self.tokens[i] if done else None,
+                )
+            )
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+class EagerStartBatchGenerator(BatchGenerator):
+    def __init__(self, *args: Any, hold: Callable[[int], bool], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hold = hold
+        self._generation_batch = PrimedGenerationBatch.empty(self.model, self.sampler)
+
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        started = self._start_unread_rows()
+        prompt_responses, generation_responses = super()._next()
+        self._start_read_rows(prompt_responses)
+        return started + prompt_responses, generation_responses
+
+    def _start_unread_rows(self) -> list[Any]:
+        """Rows waiting with nothing to read but their last token (forked choices, exact
+        prompt-cache hits) join primed before this step's decode: their first token comes
+        out of this very step (mlx-lm: a pass each now, the token a step later)."""
+        room = self.completion_batch_size - len(self._generation_batch) - len(self._prompt_batch)
+        rows = []
+        while self._unprocessed_sequences and len(rows) < room:
+            uid, segments = self._unprocessed_sequences[0][:2]
+            if len(segments) != 1 or len(segments[0]) != 1 or self._hold(uid):
+                break
+            rows.append(self._unprocessed_sequences.popleft())
+        if not rows:
+            return []
+        # (uid, segments, max_tokens, cache, tokens in the cache, sampler, processors, stops)
+        uids, segments, max_tokens, caches, known, samplers, processors, stops = map(
+            list, zip(*rows, strict=True)
+        )
+        source = PromptProcessingBatch(
+            self.model,
+            uids,
+            caches,
+            known,
+            self.prefill_step_size,
+            samplers,
+            self.sampler,
+            processors,
+            stops,
+            max_tokens,
+        )
+        self._generation_batch.extend(
+            PrimedGenerationBatch.joining(source, [s[0] for s in segments])
+        )
+        return [PromptProcessingBatch.Response(uid, (1, 1), True, True) for uid in uids]
+
+    def _start_read_rows(self, prompt_responses: list[Any]) -> None:
+        """Move the rows left with only their last token to read into the generation batch,
+        primed with it (mlx-lm moves them at the start of its next call, with a pass each)."""
+        ready = [
+            i
+            for i, (segments, _, _) in enumerate(self._currently_processing)
+            if len(segments) == 1
+            and len(segments[0]) == 1
+            and not self._hold(self._prompt_batch.uids[i])
+        ]
+        if not ready or len(self._generation_batch) + len(ready) > self.completion_batch_size:
+            return
+        chosen = set(ready)
+        last = [self._currently_processing[i][0][0] for i in ready]
+        sizes = [self._currently_processing[i][2] for i in ready]
+        self._currently_processing = [
+            seq for i, seq in enumerate(self._currently_processing) if i not in chosen
+        ]
+        if len(ready) == len(self._prompt_batch):
+            # All of it moves: hand the batch over instead of copying its KV cache to split.
+            source = self._prompt_batch
+            self._prompt_batch = PromptProcessingBatch.empty(
+                self.model, self.sampler, prefill_step_size=self.prefill_step_size
+            )
+        else:
+            source = self._prompt_batch.split(ready)
+        batch = PrimedGenerationBatch.joining(source, last)
+        for uid, size in zip(batch.uids, sizes, strict=True):
+            prompt_responses.append(PromptProcessingBatch.Response(uid, (size, size), True, True))
+        self._generation_batch.extend(batch)
