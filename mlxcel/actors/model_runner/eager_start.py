@@ -35,8 +35,6 @@ PRIMED = 1
 # Its input this step is the first token, already reported: report nothing.
 REPORTED = 2
 
-_NO_LOGPROBS = mx.zeros((1,))
-
 
 class PrimedGenerationBatch(GenerationBatch):
     def __init__(self, *args: Any, primed: bool = False, **kwargs: Any) -> None:
@@ -44,7 +42,9 @@ class PrimedGenerationBatch(GenerationBatch):
         super().__init__(*args, **kwargs)
         self._starts = [PRIMED if primed else NORMAL] * len(self.uids)
         if primed:
-            self._next_logprobs = [_NO_LOGPROBS] * len(self.uids)
+            # A placeholder: a primed row's current token is a prompt token, never reported.
+            # (Made here, on the model runner's thread: mlx arrays are bound to a stream.)
+            self._next_logprobs = [mx.zeros((1,))] * len(self.uids)
 
     @classmethod
     def joining(cls, source: PromptProcessingBatch, last: list[list[int]]) -> Any:
