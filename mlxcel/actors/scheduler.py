@@ -18,6 +18,7 @@ from mlxcel.actors.scheduling import policy
 from mlxcel.runtime.messages import (
     CacheStats,
     CloseStream,
+    EndReasoning,
     OpenStream,
     ResetCache,
     SchedulerInbox,
@@ -56,6 +57,7 @@ class Scheduler:
         self._aborts = aborts
         self._metrics = metrics or Metrics()
         self._resets: list[trio.Event] = []
+        self._end_reasoning: list[str] = []
         self._prefilled: dict[str, int] = {}
         self.cache_stats = CacheStats()
 
@@ -73,6 +75,10 @@ class Scheduler:
     def rows(self) -> int:
         """Batch rows decoding: one per choice (a request with n choices holds n)."""
         return self._state.rows
+
+    def running_request(self, request_id: str) -> Tokenized | None:
+        """The request if it is in the batch now (not waiting, not finished)."""
+        return self._state.running.get(request_id)
 
     def slot_items(self) -> list[tuple[Tokenized, int] | None]:
         """Per slot: the request in it and which of its choices, or None when free."""
@@ -100,6 +106,9 @@ class Scheduler:
             resets, self._resets = self._resets, []
             if resets:
                 plan = attrs.evolve(plan, reset_cache=True)
+            ends, self._end_reasoning = self._end_reasoning, []
+            if ends:
+                plan = attrs.evolve(plan, end_reasoning=tuple(ends))
             if not self._state.running and not plan.removes and not resets:
                 continue
             busy = self._state.rows
@@ -113,6 +122,9 @@ class Scheduler:
     def _enqueue(self, msg: SchedulerInbox) -> None:
         if isinstance(msg, ResetCache):
             self._resets.append(msg.done)
+        elif isinstance(msg, EndReasoning):
+            if msg.request_id in self._state.running:
+                self._end_reasoning.append(msg.request_id)
         elif msg.slot.cancelled:
             msg.slot.reservation.release()
         else:

@@ -91,6 +91,11 @@ class TokenizerActor:
             request.constraint, tools=tools, tool_format=self._tool_format, special=self._special
         )
 
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The model's thinking markers (None: its template does not think)."""
+        return self._reasoning
+
     def _opens_reasoning(self, tokens: list[int]) -> bool:
         if self._reasoning is None:
             return False

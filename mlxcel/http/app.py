@@ -12,6 +12,7 @@ from mlxcel.http import (
     anthropic,
     audio,
     completion,
+    control,
     conversations,
     embeddings,
     health,
@@ -60,6 +61,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(ops.bp, url_prefix=prefix)
     app.register_blueprint(completion.bp, url_prefix=prefix)
     app.register_blueprint(openai.bp, url_prefix=prefix)
+    app.register_blueprint(control.bp, url_prefix=prefix)
     app.register_blueprint(embeddings.bp, url_prefix=prefix)
     app.register_blueprint(responses.bp, url_prefix=prefix)
     app.register_blueprint(conversations.bp, url_prefix=prefix)

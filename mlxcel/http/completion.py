@@ -21,6 +21,7 @@ from mlxcel.http.openai import read_json, start_generation
 from mlxcel.http.openai_wire import new_id
 from mlxcel.http.ops import NotSupported, generation_defaults
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
+from mlxcel.http.security import control_scope
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
@@ -59,6 +60,8 @@ class NativeCompletionBody(SamplingFields):
     reasoning_budget_tokens: Any = None
     thinking_token_budget: Any = None
     thinking_budget: Any = None
+    # Arms /v1/chat/completions/control for this completion (its id: /slots `id_task`).
+    reasoning_control: bool | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -102,6 +105,7 @@ def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
             {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS},
             ctx.settings.reasoning_budget,
         ),
+        reasoning_control=control_scope(ctx.settings) if body.reasoning_control else None,
     )
 
 

@@ -69,6 +69,8 @@ class ChatCompletionBody(SamplingFields):
     reasoning_budget_tokens: Any = None
     thinking_token_budget: Any = None
     thinking_budget: Any = None
+    # Arms /v1/chat/completions/control for this completion (llama-server b10621).
+    reasoning_control: bool | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -8,6 +8,7 @@ as `Authorization: Bearer <key>` or `X-Api-Key: <key>`. Missing and wrong keys g
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 
@@ -39,6 +40,13 @@ def presented_key() -> str | None:
 def stream_owner(settings: Settings) -> str | None:
     """Whose resumable streams a request may see: its key's, or everyone's without keys."""
     return presented_key() if settings.api_keys else None
+
+
+def control_scope(settings: Settings) -> str:
+    """Who may control a completion armed by this request: a digest of its key (the key
+    itself is kept nowhere), or "" for everyone without keys."""
+    key = presented_key() if settings.api_keys else None
+    return hashlib.sha256(key.encode()).hexdigest() if key is not None else ""
 
 
 def key_ok(key: str | None, keys: frozenset[str]) -> bool:

@@ -151,6 +151,9 @@ class GenerationRequest:
     thinking_budget: int | None = None
     # Number of choices (OpenAI n): that many sequences sharing one prompt prefill.
     n: int = 1
+    # Armed for `/v1/chat/completions/control` (`reasoning_control: true`): who may end the
+    # reasoning early (a digest of the API key, "" without keys); None: not armed.
+    reasoning_control: str | None = None
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -204,6 +207,8 @@ class InsertSequence:
     thinking_budget: int | None = None
     # The prompt leaves a thinking block open: the output starts inside reasoning.
     reasoning_open: bool = False
+    # The reasoning may be ended on request (EndReasoning), so its thinking is tracked.
+    reasoning_control: bool = False
 
 
 @attrs.frozen
@@ -213,7 +218,14 @@ class ResetCache:
     done: trio.Event
 
 
-SchedulerInbox = Tokenized | ResetCache
+@attrs.frozen
+class EndReasoning:
+    """Close this running request's thinking block now (`/v1/chat/completions/control`)."""
+
+    request_id: str
+
+
+SchedulerInbox = Tokenized | ResetCache | EndReasoning
 
 
 @attrs.frozen
@@ -226,6 +238,8 @@ class StepPlan:
     # Single choices of a multi-choice request to drop (a stop string ended them while their
     # siblings go on); ``removes`` still drops whole requests.
     stop_choices: tuple[tuple[str, int], ...] = ()
+    # Requests whose thinking block is to be closed now (the end marker is forced next).
+    end_reasoning: tuple[str, ...] = ()
 
 
 # --- model runner -> scheduler ----------------------------------------------------------------

@@ -9,7 +9,9 @@ parses and validates shows the grammar constraint at work. Schemas keep strings 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -350,6 +352,87 @@ def test_thinking_budget_caps_the_reasoning(thinking_client: openai.OpenAI) -> N
     assert closed == 0 and reasoning == "" and answer.strip()
 
 
+def _control(server: ServerProcess, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/chat/completions/control", json=body, timeout=30)
+
+
+def test_reasoning_control_ends_the_thinking_of_a_running_stream(
+    thinking_client: openai.OpenAI, thinking_server: ServerProcess
+) -> None:
+    stream = thinking_client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=80,
+        seed=9,
+        stream=True,
+        extra_body={"reasoning_control": True, "ignore_eos": True},
+    )
+    reasoning, answer, answer_at = [], [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
+        answer.append(delta.content or "")
+        if len([r for r in reasoning if r]) == 5 and answer_at is None:
+            answer_at = len(reasoning)
+            r = _control(thinking_server, {"id": chunk.id, "action": "reasoning_end"})
+            assert r.status_code == 200 and r.json() == {"success": True}
+    # Unbounded, these random weights never close the block in 80 tokens (see above, and the
+    # unarmed stream below): the answer that follows is the control's doing. (Chunks the
+    # client had not read yet when it asked, and the forced marker's, come between.)
+    assert answer_at is not None and "".join(answer).strip()
+    first_answer = next(i for i, a in enumerate(answer) if a)
+    assert answer_at < first_answer < len(answer) - 20
+    assert not any(reasoning[first_answer:])
+
+
+def test_reasoning_control_refusals(
+    thinking_client: openai.OpenAI, thinking_server: ServerProcess
+) -> None:
+    stream = thinking_client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+    )
+    first = next(c for c in stream if c.choices)
+    # Not armed: refused, and the stream thinks on undisturbed.
+    r = _control(thinking_server, {"id": first.id, "action": "reasoning_end"})
+    assert r.status_code == 200 and r.json()["success"] is False
+    assert "reasoning_control" in r.json()["message"]
+    assert not "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    r = _control(thinking_server, {"id": "chatcmpl-nope", "action": "reasoning_end"})
+    assert r.json()["success"] is False
+    for body, param, message in [
+        ({"action": "reasoning_end"}, "id", "missing completion id"),
+        ({"id": first.id, "action": "explode"}, "action", "unknown control action"),
+    ]:
+        r = _control(thinking_server, body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and message in error["message"]
+
+
+def test_reasoning_control_on_a_native_completion(thinking_server: ServerProcess) -> None:
+    # A raw prompt that opens the thinking block. Native output carries only the answer, so
+    # the id comes from /slots (`id_task`) while the request runs.
+    base = thinking_server.base_url
+    prompt = "<|im_start|>user\nDescribe a person.<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    body = {"prompt": prompt, "n_predict": 300, "ignore_eos": True, "seed": 9}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(httpx.post, f"{base}/completion", json=body, timeout=60)
+        armed = pool.submit(
+            httpx.post, f"{base}/completion", json={**body, "reasoning_control": True}, timeout=60
+        )
+        tasks: list[str] = []
+        deadline = time.monotonic() + 30
+        while len(tasks) < 2:
+            assert time.monotonic() < deadline, "the two requests never ran together"
+            tasks = [s["id_task"] for s in httpx.get(f"{base}/slots").json() if s["is_processing"]]
+        replies = [_control(thinking_server, {"id": t, "action": "reasoning_end"}) for t in tasks]
+        plain_answer, armed_answer = plain.result().json(), armed.result().json()
+    # Only the armed request was steered: it answers; the other thought to the end.
+    assert sorted(r.json()["success"] for r in replies) == [False, True]
+    assert armed_answer["content"].strip() and not plain_answer["content"].strip()
+
+
 def test_json_schema_starts_after_thinking(thinking_client: openai.OpenAI) -> None:
     r = thinking_client.chat.completions.create(
         model="default",
@@ -426,3 +509,25 @@ def test_legacy_completions_take_response_format(client: openai.OpenAI) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+def test_reasoning_control_belongs_to_the_key_that_armed_it(tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "qwen3", chat_template=QWEN_THINKING)
+    server = ServerProcess(["-m", str(model), "--api-key", "alice", "--api-key", "bob"])
+    try:
+        url = f"{server.base_url}/v1/chat/completions"
+        alice, bob = {"Authorization": "Bearer alice"}, {"X-Api-Key": "bob"}
+        body = {"messages": ASK, "max_tokens": 80, "stream": True, "ignore_eos": True}
+        with httpx.stream(
+            "POST", url, json={**body, "reasoning_control": True}, headers=alice, timeout=60
+        ) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            ask = {"id": first["id"], "action": "reasoning_end"}
+            by_bob = httpx.post(f"{url}/control", json=ask, headers=bob).json()
+            by_alice = httpx.post(f"{url}/control", json=ask, headers=alice).json()
+            rest = list(lines)
+        assert by_bob["success"] is False and by_alice == {"success": True}
+        assert any('"content":"' in line and '"content":""' not in line for line in rest)
+    finally:
+        server.stop()

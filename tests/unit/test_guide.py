@@ -130,3 +130,34 @@ def _fail_one_row(tiny_model_dir: Any) -> None:
         assert not out.errors and [t.request_id for t in out.tokens] == ["free"]
     finally:
         backend.close()
+
+
+def test_reasoning_control_ends_the_thinking_on_request(kit: GuideKit) -> None:
+    # Armed without a budget: free thinking until asked, then the end marker is forced.
+    guide = kit.guide(grammar=None, budget=None, reasoning_open=True, controllable=True)
+    assert guide is not None
+    row = Row(guide, [1, 5, 100])
+    for token in (7, 8, 9):
+        assert len(row.step(token)) == V
+    guide.end_thinking()
+    assert row.step(10) == [101]
+    assert row.step(101) == [102]
+    assert len(row.step(102)) == V  # answer: free again
+    guide.end_thinking()  # after the block: nothing more to close in the answer
+    assert len(row.step(11)) == V
+
+
+def test_reasoning_control_before_the_block_opens_closes_it_at_once(kit: GuideKit) -> None:
+    guide = kit.guide(grammar=None, budget=None, reasoning_open=False, controllable=True)
+    assert guide is not None
+    row = Row(guide, [1, 5])
+    assert len(row.step()) == V
+    guide.end_thinking()
+    assert len(row.step(7)) == V  # not thinking yet: nothing to force
+    assert row.step(100) == [101]  # the block opens: closed at once
+    assert row.step(101) == [102]
+
+
+def test_reasoning_control_needs_thinking_markers(smollm_tokenizer: Any) -> None:
+    plain = GuideKit(smollm_tokenizer, vocab_size=V, eos_token_ids=[2], think=None)
+    assert plain.guide(grammar=None, budget=None, reasoning_open=False, controllable=True) is None

@@ -71,11 +71,18 @@ class GuideKit:
         return self._ids == token
 
     def guide(
-        self, *, grammar: str | None, budget: int | None, reasoning_open: bool
+        self,
+        *,
+        grammar: str | None,
+        budget: int | None,
+        reasoning_open: bool,
+        controllable: bool = False,
     ) -> Guide | None:
-        """A guide for one sequence, or None when nothing needs guiding."""
+        """A guide for one sequence, or None when nothing needs guiding. ``controllable``:
+        the reasoning may be ended on request (``Guide.end_thinking``), budget or not."""
         # A budget means nothing for a template without thinking markers: nothing to close.
-        thinking = self.think if budget is not None and budget >= 0 else None
+        limited = budget is not None and budget >= 0
+        thinking = self.think if limited or controllable else None
         if grammar is None and thinking is None:
             return None
         try:
@@ -86,7 +93,7 @@ class GuideKit:
         guide = Guide(
             self,
             matcher=matcher,
-            budget=budget if thinking is not None else None,
+            budget=budget if thinking is not None and limited else None,
             reasoning_open=reasoning_open and self.think is not None,
         )
         if error is not None:
@@ -155,6 +162,18 @@ class Guide:
 
     def _force(self, logits: mx.array, token: int) -> mx.array:
         return mx.where(self._kit.only(token), logits, _NEG_INF)
+
+    def end_thinking(self) -> None:
+        """Close the thinking block now: its end marker is forced from the next token on.
+        Before the block has opened, it will be closed as soon as it does."""
+        end = self._kit.think[1] if self._kit.think is not None else None
+        if end is None:
+            return
+        if self._thinking:
+            if not self._forcing:
+                self._forcing = list(end)
+        else:
+            self._budget = 0
 
     def fail(self, why: str) -> None:
         if self.error is None:

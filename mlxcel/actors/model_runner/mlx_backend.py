@@ -113,6 +113,10 @@ class MlxBackend:
             self._cache.reset()
         if plan.removes or plan.stop_choices:
             self._remove(plan.removes, plan.stop_choices)
+        for rid in plan.end_reasoning:
+            for uid in self._uids_by_rid.get(rid, ()):
+                if (guide := self._guides.get(uid)) is not None:
+                    guide.end_thinking()
         cached = self._insert(plan.inserts) if plan.inserts else ()
         if not self._rid_by_uid:
             return StepOutput(cached=cached, cache=self._stats())
@@ -228,6 +232,7 @@ class MlxBackend:
                 grammar=r.seq.grammar,
                 budget=r.seq.thinking_budget,
                 reasoning_open=r.seq.reasoning_open,
+                controllable=r.seq.reasoning_control,
             )
             for r in rows
         ]

@@ -168,6 +168,7 @@ def plan(
             grammar=item.grammar,
             thinking_budget=item.request.thinking_budget,
             reasoning_open=item.reasoning_open,
+            reasoning_control=item.request.reasoning_control is not None,
         )
         for item in started
     )

@@ -1,0 +1,58 @@
+"""`POST /v1/chat/completions/control`: steer a running completion (llama-server b10621).
+
+One action so far, ``reasoning_end``: the completion's thinking block is closed now (its end
+marker is forced from the next token), so the answer starts. The completion must have been
+sent with ``reasoning_control: true``; its id is the chat completion's ``id`` (a native
+``/completion``'s is its ``/slots`` ``id_task``). With API keys, only the key that started it
+may control it; another key gets what an unknown id gets. Errors use the OpenAI envelope.
+"""
+
+from __future__ import annotations
+
+import json
+
+from quart import Blueprint, Response
+
+from mlxcel.http.context import server
+from mlxcel.http.openai import read_json
+from mlxcel.http.security import control_scope
+from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.messages import EndReasoning
+
+bp = Blueprint("control", __name__)
+
+ACTIONS = ("reasoning_end",)
+
+
+def _answer(success: bool, message: str | None = None) -> Response:
+    body: dict[str, object] = {"success": success}
+    if message is not None:
+        body["message"] = message
+    return Response(json.dumps(body), content_type="application/json")
+
+
+@bp.post("/v1/chat/completions/control")
+@bp.post("/chat/completions/control")
+async def control() -> Response:
+    ctx = server()
+    data = await read_json()
+    if not isinstance(data, dict):
+        raise InvalidRequest("The body must be a JSON object: {id, action}")
+    completion_id = data.get("id")
+    if not isinstance(completion_id, str) or not completion_id:
+        raise InvalidRequest("missing completion id", param="id")
+    if data.get("action") not in ACTIONS:
+        raise InvalidRequest(
+            f"unknown control action: expected one of {', '.join(ACTIONS)}", param="action"
+        )
+    if ctx.tokenizer.reasoning is None:
+        return _answer(False, "This model does not reason: its chat template has no thinking")
+    item = ctx.scheduler.running_request(completion_id)
+    if item is None or item.request.reasoning_control != control_scope(ctx.settings):
+        return _answer(
+            False,
+            "No running completion with this id has reasoning control enabled "
+            "(send it with reasoning_control: true)",
+        )
+    await ctx.scheduler_tx.send(EndReasoning(completion_id))
+    return _answer(True)
