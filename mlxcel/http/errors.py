@@ -55,11 +55,14 @@ def envelope(error: MlxcelError, family: Family = "openai") -> dict[str, object]
 
 
 def error_response(error: MlxcelError, family: Family = "openai") -> Response:
-    return Response(
+    response = Response(
         json.dumps(envelope(error, family)),
         status=error.status,
         content_type="application/json",
     )
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(error.retry_after)
+    return response
 
 
 def unexpected(error: BaseException) -> MlxcelError:

@@ -27,6 +27,8 @@ class MlxcelError(Exception):
 
     status: int = 500
     error_type: str = "server_error"
+    # Seconds a client should wait before trying again (the Retry-After header), if any.
+    retry_after: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -77,6 +79,9 @@ class ServiceError(MlxcelError):
 class ServerBusy(ServiceError):
     status = 503
     error_type = "server_busy"
+    # A place frees up when a request finishes: SDKs that honour Retry-After (openai,
+    # anthropic) wait this long instead of their own backoff.
+    retry_after = 1
 
     def __init__(self, message: str = "All slots are busy. Please try again later.") -> None:
         super().__init__(message)

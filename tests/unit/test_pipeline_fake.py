@@ -115,6 +115,8 @@ async def test_full_queue_is_503_before_any_stream_byte(smollm_tokenizer: Any) -
                 assert r.status_code == 503
                 assert r.headers["content-type"].startswith("application/json")
                 assert r.json()["error"]["type"] == "server_busy"
+                # The SDKs wait this long before their retry.
+                assert r.headers["retry-after"] == "1"
 
 
 async def test_disconnect_mid_prefill_stops_within_one_chunk(smollm_tokenizer: Any) -> None:
