@@ -7,9 +7,9 @@ through ``GET /v1/stream``) follows that buffer from a byte offset. So a dropped
 loses nothing: the generation runs on to its natural end, and the client resumes from the
 last byte it saw. What stops it is ``DELETE /v1/stream``, or a new stream under the same id.
 
-Sessions are keyed by ``(owner, conversation id)``, the owner being the API key that started
-the stream (``None`` without keys): another key sees exactly what an unknown id gets, so the
-routes tell nothing about whether a session exists. A buffer keeps its last 4 MiB (a replay
+Sessions are keyed by ``(owner, conversation id)``, the owner being a digest of the API key
+that started the stream ("" without keys): another key sees exactly what an unknown id gets,
+so the routes tell nothing about whether a session exists. A buffer keeps its last 4 MiB (a replay
 from an offset that fell off the front is refused); a finished session stays for 5 minutes,
 and at most 256 finished ones are kept (the oldest go first). Live ones are bounded by
 admission, since each holds a request.
@@ -37,7 +37,8 @@ GC_INTERVAL_S = 60.0
 CLOSE_GRACE_S = 10.0
 KEEPALIVE = b": keepalive\n\n"
 
-Owner = str | None
+# The scope of the key that started a stream ("" without keys): http/security.key_scope.
+Owner = str
 
 
 class StreamSession:

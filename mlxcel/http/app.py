@@ -21,6 +21,7 @@ from mlxcel.http import (
     ops,
     responses,
     security,
+    sse,
     streams,
 )
 from mlxcel.http import realtime as realtime_ws
@@ -41,6 +42,10 @@ NATIVE_BLUEPRINTS = frozenset({"native", "native_completion", "ops", "health", "
 ANTHROPIC_BLUEPRINTS = frozenset({"anthropic"})
 
 
+async def _check_headers() -> None:
+    sse.check_conversation_id()
+
+
 def create_app(ctx: ServerContext) -> QuartTrio:
     app = QuartTrio("mlxcel")
     # The audio upload routes take 25 MiB bodies whatever --max-request-bytes says.
@@ -53,6 +58,7 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = ctx.settings.max_request_bytes
     prefix = ctx.settings.api_prefix.rstrip("/") or None
     security.install(app, ctx.settings)
+    app.before_request(_check_headers)
     app.register_blueprint(health.bp, url_prefix=prefix)
     if prefix:
         # The health routes stay reachable (and public) without the prefix too.

@@ -21,7 +21,7 @@ from mlxcel.http.openai import read_json, start_generation
 from mlxcel.http.openai_wire import new_id
 from mlxcel.http.ops import NotSupported, generation_defaults
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
-from mlxcel.http.security import control_scope
+from mlxcel.http.security import key_scope
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
@@ -105,7 +105,7 @@ def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
             {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS},
             ctx.settings.reasoning_budget,
         ),
-        reasoning_control=control_scope(ctx.settings) if body.reasoning_control else None,
+        reasoning_control=key_scope(ctx.settings) if body.reasoning_control else None,
     )
 
 

@@ -15,7 +15,7 @@ from quart import Blueprint, Response
 
 from mlxcel.http.context import server
 from mlxcel.http.openai import read_json
-from mlxcel.http.security import control_scope
+from mlxcel.http.security import key_scope
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import EndReasoning
 
@@ -48,7 +48,7 @@ async def control() -> Response:
     if ctx.tokenizer.reasoning is None:
         return _answer(False, "This model does not reason: its chat template has no thinking")
     item = ctx.scheduler.running_request(completion_id)
-    if item is None or item.request.reasoning_control != control_scope(ctx.settings):
+    if item is None or item.request.reasoning_control != key_scope(ctx.settings):
         return _answer(
             False,
             "No running completion with this id has reasoning control enabled "

@@ -26,7 +26,7 @@ from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import side_model_entries
 from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
-from mlxcel.http.security import control_scope
+from mlxcel.http.security import key_scope
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot, SlotUpdate
@@ -152,7 +152,7 @@ async def chat_completions() -> Response:
     )
     model = ctx.check_model(body.model)
     if body.reasoning_control:
-        gen = attrs.evolve(gen, reasoning_control=control_scope(ctx.settings))
+        gen = attrs.evolve(gen, reasoning_control=key_scope(ctx.settings))
     if gen.parse_tools and ctx.tool_format is None:
         raise InvalidRequest(
             "This model's chat template has no tool-call format, so it cannot call tools.",

@@ -14,6 +14,7 @@ from mlxcel.http.audio import audio_capabilities
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.embeddings import capabilities_props
 from mlxcel.http.errors import error_response
+from mlxcel.http.openai import read_json
 from mlxcel.runtime.errors import (
     FeatureDisabled,
     InvalidRequest,
@@ -174,10 +175,7 @@ async def lora_adapters() -> Response:
 @bp.post("/lora-adapters")
 async def set_lora_adapters() -> Response:
     """Scales for loaded adapters; with none loaded, only the empty list is valid."""
-    try:
-        body = json.loads(await request.get_data(as_text=True) or "null")
-    except json.JSONDecodeError as error:
-        raise InvalidRequest(f"Invalid JSON body: {error}") from None
+    body = await read_json()
     if not isinstance(body, list):
         raise InvalidRequest("Expected a list of {id, scale}")
     if body:

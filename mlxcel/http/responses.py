@@ -306,9 +306,12 @@ def _truncated(
     time (a cut falls only before a user message, so a tool call keeps its output), until it
     fits. The last turn always stays; if it alone is too long, the usual 400 follows. Runs in
     a thread: it encodes the prompt once, and ~log2(turns) more times when it cuts."""
-    window = ctx.info.context_length
-    room = min(gen.max_tokens or window // 4, window // 2)
-    limit = window - room
+    limit = truncation.budget(
+        truncation.Truncation(),
+        context=ctx.info.context_length,
+        instructions=0,
+        max_output=gen.max_tokens,
+    )
     starts = [i for i, item in enumerate(context) if _starts_turn(item)]
     if not starts or len(ctx.tokenizer.encode(gen)) <= limit:
         return gen

@@ -37,14 +37,9 @@ def presented_key() -> str | None:
     return request.headers.get("X-Api-Key") or None
 
 
-def stream_owner(settings: Settings) -> str | None:
-    """Whose resumable streams a request may see: its key's, or everyone's without keys."""
-    return presented_key() if settings.api_keys else None
-
-
-def control_scope(settings: Settings) -> str:
-    """Who may control a completion armed by this request: a digest of its key (the key
-    itself is kept nowhere), or "" for everyone without keys."""
+def key_scope(settings: Settings) -> str:
+    """Whose resumable streams and controllable completions this request may reach: a digest
+    of its key (the key itself is kept nowhere), or "" (everyone's) without keys."""
     key = presented_key() if settings.api_keys else None
     return hashlib.sha256(key.encode()).hexdigest() if key is not None else ""
 

@@ -10,7 +10,7 @@ from quart import Response, has_request_context, request
 
 from mlxcel.actors.stream_sessions import KEEPALIVE
 from mlxcel.http.context import server
-from mlxcel.http.security import stream_owner
+from mlxcel.http.security import key_scope
 from mlxcel.runtime.errors import InvalidRequest
 
 __all__ = ["DONE", "HEADERS", "KEEPALIVE", "data", "event", "response"]
@@ -42,29 +42,30 @@ def response(body: AsyncIterator[bytes], on_drop: Callable[[], None]) -> Respons
     must be idempotent, e.g. ``slot.cancel``) also runs when the body is collected, so that
     case aborts the generation too.
     """
-    try:
-        conversation_id = _conversation_id()
-    except InvalidRequest:
-        on_drop()  # the generation has started: the refusal must stop it
-        raise
+    conversation_id = conversation_id_header()
     if conversation_id is not None:
         return _resumable(conversation_id, body, on_drop)
     weakref.finalize(body, on_drop)
     return Response(body, content_type="text/event-stream", headers=HEADERS)
 
 
-def _conversation_id() -> str | None:
+def conversation_id_header() -> str | None:
+    """The request's ``X-Conversation-Id`` (None: absent or empty). Every request's header is
+    checked before its handler runs (``check_conversation_id``), so none that started work
+    can be refused here."""
     if not has_request_context():
         return None
-    value = request.headers.get("X-Conversation-Id", "").strip()
-    if not value:
-        return None
-    if len(value) > MAX_CONVERSATION_ID:
+    return request.headers.get("X-Conversation-Id", "").strip() or None
+
+
+def check_conversation_id() -> None:
+    """Refuse an over-long ``X-Conversation-Id`` before any work starts."""
+    value = conversation_id_header()
+    if value is not None and len(value) > MAX_CONVERSATION_ID:
         raise InvalidRequest(
             f"X-Conversation-Id is longer than {MAX_CONVERSATION_ID} characters",
             param="X-Conversation-Id",
         )
-    return value
 
 
 def _resumable(
@@ -74,7 +75,7 @@ def _resumable(
     client is its first reader: leaving does not stop the generation, and ``GET /v1/stream``
     picks it up again from any byte offset."""
     ctx = server()
-    session = ctx.streams.attach(stream_owner(ctx.settings), conversation_id, body, on_drop)
+    session = ctx.streams.attach(key_scope(ctx.settings), conversation_id, body, on_drop)
     return Response(
         session.follow(0, ctx.ping_interval), content_type="text/event-stream", headers=HEADERS
     )

@@ -13,7 +13,8 @@ from quart import Blueprint, Response, request
 
 from mlxcel.http import sse
 from mlxcel.http.context import server
-from mlxcel.http.security import stream_owner
+from mlxcel.http.openai import read_json
+from mlxcel.http.security import key_scope
 from mlxcel.runtime.errors import InvalidRequest, NotFound
 
 bp = Blueprint("streams", __name__)
@@ -43,7 +44,7 @@ async def replay() -> Response:
     ctx = server()
     conv_id = _conversation_id()
     offset = _offset()
-    session = ctx.streams.get(stream_owner(ctx.settings), conv_id)
+    session = ctx.streams.get(key_scope(ctx.settings), conv_id)
     if session is None:
         raise NotFound("Stream not found or expired", param="conv_id")
     if offset < session.dropped:
@@ -59,7 +60,7 @@ async def replay() -> Response:
 async def stop() -> Response:
     """Stop the generation and forget its buffer; 204 whether or not there was one."""
     ctx = server()
-    ctx.streams.evict(stream_owner(ctx.settings), _conversation_id())
+    ctx.streams.evict(key_scope(ctx.settings), _conversation_id())
     return Response("", status=204)
 
 
@@ -68,14 +69,11 @@ async def lookup() -> Response:
     """``{"conversation_ids": [...]}`` -> the caller's sessions for those ids (and their
     ``<id>::<model>`` variants); ids with no session are simply absent."""
     ctx = server()
-    try:
-        body = json.loads(await request.get_data(as_text=True) or "{}")
-    except json.JSONDecodeError as error:
-        raise InvalidRequest(f"Invalid JSON body: {error}") from None
+    body = await read_json()
     ids = body.get("conversation_ids") if isinstance(body, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise InvalidRequest("conversation_ids must be a list of strings", param="conversation_ids")
-    found = ctx.streams.lookup(stream_owner(ctx.settings), ids)
+    found = ctx.streams.lookup(key_scope(ctx.settings), ids)
     return Response(
         json.dumps(
             [

@@ -28,9 +28,7 @@ class Producer:
     def on_drop(self) -> None:
         self.events.append("dropped")
 
-    def attach(
-        self, streams: StreamSessions, owner: str | None = None, cid: str = "c"
-    ) -> StreamSession:
+    def attach(self, streams: StreamSessions, owner: str = "", cid: str = "c") -> StreamSession:
         return streams.attach(owner, cid, self.body(), self.on_drop)
 
 
@@ -136,7 +134,7 @@ async def test_a_session_cancelled_before_its_body_runs_says_nothing_and_cleans_
     async with trio.open_nursery() as nursery:
         await nursery.start(streams.run)
         session = p.attach(streams)
-        streams.evict(None, "c")  # before the actor's task ever ran
+        streams.evict("", "c")  # before the actor's task ever ran
         await trio.sleep(0.01)
         assert session.done and session.total_bytes == 0
         assert p.events == ["closed", "dropped"]
@@ -150,22 +148,22 @@ async def test_finished_sessions_expire_and_the_oldest_go_past_the_cap() -> None
         await nursery.start(streams.run)
         producers = [Producer() for _ in range(4)]
         for i, p in enumerate(producers[:3]):
-            p.attach(streams, None, f"c{i}")
+            p.attach(streams, "", f"c{i}")
             await p.tx.aclose()
             await trio.sleep(0.01)
             now[0] += 10
         live = producers[3]
-        live.attach(streams, None, "live")
+        live.attach(streams, "", "live")
         await trio.sleep(0.01)
         # Three finished, two may stay: the oldest (c0) goes; the live one is never swept.
-        assert [s.conversation_id for s in streams.lookup(None, ["c0", "c1", "c2", "live"])] == [
+        assert [s.conversation_id for s in streams.lookup("", ["c0", "c1", "c2", "live"])] == [
             "c1",
             "c2",
             "live",
         ]
         now[0] += 300
-        assert streams.get(None, "c1") is None and streams.get(None, "c2") is None
-        assert streams.get(None, "live") is not None
+        assert streams.get("", "c1") is None and streams.get("", "c2") is None
+        assert streams.get("", "live") is not None
         nursery.cancel_scope.cancel()
 
 
@@ -178,7 +176,7 @@ async def test_lookup_sees_only_the_owners_sessions_and_model_variants() -> None
             p.attach(streams, owner, cid)
         assert sorted(s.conversation_id for s in streams.lookup("a", ["c", ""])) == ["c", "c::m"]
         assert [s.conversation_id for s in streams.lookup("b", ["c", "c::m"])] == ["c"]
-        assert streams.lookup(None, ["c"]) == []
+        assert streams.lookup("", ["c"]) == []
         streams.evict("b", "c::m")  # not b's: nothing happens
         assert len(streams.lookup("a", ["c"])) == 2
         nursery.cancel_scope.cancel()
