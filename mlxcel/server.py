@@ -31,6 +31,7 @@ from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import detect as detect_tools
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
+from mlxcel.models import blas
 from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
@@ -87,6 +88,7 @@ async def serve(
     build = build_backend or partial(build_mlx_backend, settings)
     aborts = AbortBox()
     metrics = Metrics()
+    metrics.live.blas_threads = blas.threads
     plans_tx, plans_rx = trio.open_memory_channel[StepPlan](0)
     outputs_tx, outputs_rx = trio.open_memory_channel[StepOutput](0)
     stream_tx, stream_rx = trio.open_memory_channel[StreamerInbox](64)

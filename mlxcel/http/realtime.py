@@ -28,6 +28,7 @@ from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.security import UNAUTHORIZED, key_ok
+from mlxcel.models import blas
 from mlxcel.runtime.errors import (
     AuthenticationFailed,
     InvalidRequest,
@@ -36,6 +37,10 @@ from mlxcel.runtime.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+# While voice sessions are open, the chat model multiplies on 1/SPEECH_SHARE of OpenBLAS's
+# threads.
+SPEECH_SHARE = 2
 
 bp = Blueprint("realtime", __name__)
 
@@ -165,7 +170,13 @@ async def realtime() -> Response | None:
         )
         session = RealtimeSession(_QuartTransport(), deps, dialect)
         log.info("realtime %s opened (%s)", session.id, dialect.name)
-        await session.run()
+        # While a voice session is open, its speech models (VAD every frame, Whisper, Piper)
+        # run next to the chat model: OpenBLAS on half its threads leaves them the other
+        # cores. On all of them, each matmul of a step waits for its slowest thread, and
+        # that thread is the one sharing a core with Piper (8 sessions for 150 s on 2 cores:
+        # 16 of 120 answers heard before the next question, 101 on half; performance.md).
+        with blas.fewer_threads(SPEECH_SHARE):
+            await session.run()
         log.info("realtime %s closed", session.id)
     finally:
         gate.leave()

@@ -19,7 +19,7 @@ import threading
 
 import attrs
 
-__all__ = ["BlasInfo", "preload_blas", "fewer_threads"]
+__all__ = ["BlasInfo", "preload_blas", "fewer_threads", "threads"]
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +110,19 @@ def preload_blas() -> BlasInfo:
         return _info
 
 
+def threads() -> int | None:
+    """How many threads OpenBLAS multiplies on now (None: MLX is not on our OpenBLAS)."""
+    if _lib is None:
+        return None
+    return int(_lib.openblas_get_num_threads())
+
+
 class fewer_threads:  # noqa: N801 - used as a context manager, like a function
     """OpenBLAS on ``1/share`` of its threads while the block runs (no-op for other BLAS).
 
-    For work already split across cores (the encoder's mlx streams, each on its own core):
-    all threads per matmul there would only fight over the same cores. OpenBLAS 0.3.21 has no
+    For work already split across cores (the encoder's mlx streams, each on its own core;
+    the speech models of open realtime sessions next to the chat model): all threads per
+    matmul there would only fight over the same cores. OpenBLAS 0.3.21 has no
     per-thread setting, so this is process-wide: a generation step running at that moment
     also multiplies on fewer threads (it shares the cores with the encoder anyway). Nested
     and concurrent users are counted; the last one out restores the thread count.

@@ -38,6 +38,7 @@ class _Live(Collector):
         self.waiting: Callable[[], int] = lambda: 0
         self.queued: Callable[[], int] = lambda: 0
         self.cache: Callable[[], CacheStats] = CacheStats
+        self.blas_threads: Callable[[], int | None] = lambda: None
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily(
@@ -54,6 +55,12 @@ class _Live(Collector):
             "Sequences (rows: one per choice) in the running batch.",
             value=self.rows(),
         )
+        if (threads := self.blas_threads()) is not None:
+            yield GaugeMetricFamily(
+                "mlxcel_blas_threads",
+                "OpenBLAS threads per matmul now (halved while realtime voice sessions are open).",
+                value=threads,
+            )
         s = self.cache()
         yield CounterMetricFamily(
             "mlxcel_prompt_cache_hits", "Prompt-cache lookups that reused KV.", value=s.hits

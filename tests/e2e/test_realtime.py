@@ -9,10 +9,12 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import trio
 import trio_websocket
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess
 from tests.support.realtime import Client, connect, frames, silence, spoken
@@ -252,7 +254,15 @@ async def test_session_update_field_we_cannot_honour_is_named(tiny_server: Serve
 @pytest.fixture(scope="module")
 def guarded_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(
-        ["-m", str(tiny_model_dir), "--api-key", "sekrit", "--realtime-max-sessions", "1"]
+        [
+            "-m",
+            str(tiny_model_dir),
+            "--api-key",
+            "sekrit",
+            "--realtime-max-sessions",
+            "1",
+            "--metrics",
+        ]
     )
     yield server
     server.stop()
@@ -286,6 +296,33 @@ async def test_handshake_needs_a_header_key_and_sessions_are_bounded(
                 if (await third.recv())["type"] == "session.created":
                     break
             await trio.sleep(0.2)
+
+
+async def test_open_sessions_leave_the_speech_models_half_the_blas_threads(
+    guarded_server: ServerProcess,
+) -> None:
+    base, auth = guarded_server.base_url, {"X-Api-Key": "sekrit"}
+
+    async def blas_threads() -> int:
+        reply = await trio.to_thread.run_sync(
+            lambda: httpx.get(f"{base}/metrics", headers=auth, timeout=30)
+        )
+        for family in text_string_to_metric_families(reply.text):
+            if family.name == "mlxcel_blas_threads":
+                return int(family.samples[0].value)
+        raise AssertionError("no mlxcel_blas_threads in /metrics")
+
+    full = await blas_threads()
+    # This machine has 2 cores; OpenBLAS starts on all of them.
+    assert full >= 2
+    async with connect(base, headers=auth) as session:
+        assert (await session.recv())["type"] == "session.created"
+        assert await blas_threads() == full // 2
+    with trio.fail_after(30):  # the handler finishes just after the close
+        while True:
+            if await blas_threads() == full:
+                break
+            await trio.sleep(0.1)
 
 
 def test_no_audio_server_refuses_with_501(tiny_model_dir: Path) -> None:

@@ -7,6 +7,7 @@ Espeak          the espeak-ng program, one process per sentence (the small fallb
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -217,9 +218,21 @@ def _segments(raw: Iterator[Any]) -> Iterator[Segment]:
 
 class Piper:
     def __init__(self, model: TtsModel) -> None:
-        from piper import PiperVoice, SynthesisConfig
+        import onnxruntime  # type: ignore[import-untyped]
+        from piper import PiperConfig, PiperVoice, SynthesisConfig
 
-        self.voice = PiperVoice.load(model.path, model.config_path)
+        # piper's own ``load`` with onnxruntime's defaults, except that the pool threads
+        # sleep between ops instead of spinning: under load that spin is CPU the chat model
+        # and the other sessions' speech need (docs/performance.md, realtime).
+        options = onnxruntime.SessionOptions()
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        config = model.config_path or model.path.with_name(model.path.name + ".json")
+        self.voice = PiperVoice(
+            session=onnxruntime.InferenceSession(
+                str(model.path), sess_options=options, providers=["CPUExecutionProvider"]
+            ),
+            config=PiperConfig.from_dict(json.loads(config.read_text(encoding="utf-8"))),
+        )
         self.speakers = model.speakers
         self._config = SynthesisConfig
 

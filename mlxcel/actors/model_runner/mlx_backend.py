@@ -296,9 +296,38 @@ class MlxBackend:
             if (rid, self._choice_by_uid[u]) in stop
         ]
         uids = list(dict.fromkeys(uids))
+        donors = self._donors(requests)
+        caches = self._gen.remove(uids, return_prompt_caches=bool(donors))
+        for uid, key in donors.items():
+            cache, tokens = caches[uid]
+            assert self._cache is not None
+            self._cache.store(key, list(tokens), cache)
         for uid in uids:
             self._forget(uid)
-        self._gen.remove(uids)
+
+    def _donors(self, requests: tuple[str, ...]) -> dict[int, str]:
+        """Per cancelled request, one row that has read tokens since its cache lookup, and
+        its cache key: it donates what it has read, as a finished row does.
+
+        A realtime turn cut off by the next question is that question's prefix, and a
+        request cancelled during its prompt would otherwise leave the next one the same
+        prompt to read again. Without this, a voice session whose answers are cut off
+        before they start carries an ever longer unread tail (measured here: 62 -> 362
+        tokens a turn over 5 minutes at 8 sessions, until no answer got past its prompt).
+        """
+        if self._cache is None:
+            return {}
+        # Where each row is: 0 waiting (nothing read), 1 reading its prompt, 2 generating.
+        stages = self._gen._find_uids(
+            [u for rid in requests for u in self._uids_by_rid.get(rid, ())]
+        )
+        donors = {}
+        for rid in requests:
+            key = self._cache_key.get(rid)
+            uids = [u for u in self._uids_by_rid.get(rid, ()) if stages.get(u, (0,))[0] > 0]
+            if key is not None and uids:
+                donors[uids[0]] = key
+        return donors
 
     def close(self) -> None:
         """Last call on the compute thread: mlx's per-thread streams must not outlive it."""
