@@ -8,6 +8,7 @@ A stream sends `data:` frames and ends with the full final object; there is no `
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import read_json, start_generation
 from mlxcel.http.openai_wire import new_id
-from mlxcel.http.ops import NotSupported, generation_defaults
+from mlxcel.http.ops import NotSupported, generation_settings
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.http.security import key_scope
 from mlxcel.runtime.codec import structure
@@ -41,17 +42,30 @@ FIM_TOKENS = (
 )
 
 
+INT32_MAX = 2**31 - 1
+
+
 @attrs.frozen(kw_only=True)
 class NativeCompletionBody(SamplingFields):
     prompt: Any = ""
+    # n_predict, else max_tokens, else max_completion_tokens (llama-server's order).
     n_predict: int | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     stop: list[str] | None = None
     stream: bool | None = None
+    # Usage is always in the final frame here; only its shape is checked.
+    stream_options: Any = None
+    # Every streamed frame carries the timings so far.
+    timings_per_token: bool | None = None
+    # The final object projected to these "a/b" paths, keyed by the whole path.
+    response_fields: Any = None
+    # Seconds between keep-alive comments on this stream (0: none); the server's by default.
+    sse_ping_interval: float | None = None
     cache_prompt: bool | None = None
     ignore_eos: bool | None = None
-    return_tokens: bool | None = None
     n_probs: int | None = None
+    logprobs: int | None = None  # llama-server's alias of n_probs
     id_slot: int | None = None
     model: str | None = None
     json_schema: Any = None
@@ -62,6 +76,14 @@ class NativeCompletionBody(SamplingFields):
     thinking_budget: Any = None
     # Arms /v1/chat/completions/control for this completion (its id: /slots `id_task`).
     reasoning_control: bool | None = None
+    # llama-server fields accepted only at their defaults, which ask for nothing (_refuse).
+    n_indent: Any = None
+    n: Any = None
+    n_cmpl: Any = None
+    t_max_predict_ms: Any = None
+    return_tokens: Any = None
+    return_progress: Any = None
+    verbose: Any = None
 
 
 @attrs.frozen(kw_only=True)
@@ -83,23 +105,67 @@ def _prompt(value: Any) -> Prompt:
     raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
 
 
+def _n_predict(body: NativeCompletionBody) -> int:
+    for name in ("n_predict", "max_tokens", "max_completion_tokens"):
+        value = getattr(body, name)
+        if value is not None:
+            if not -1 <= value <= INT32_MAX:
+                raise InvalidRequest(f"{name} must be between -1 and {INT32_MAX}", param=name)
+            return int(value)
+    return -1
+
+
+def _refuse(body: NativeCompletionBody) -> None:
+    """A 400 naming the first field that asks for what this route does not do."""
+    if body.n_indent not in (None, 0):
+        raise InvalidRequest("n_indent is not supported (only 0)", param="n_indent")
+    for name in ("n", "n_cmpl"):
+        if getattr(body, name) not in (None, 1):
+            raise InvalidRequest(
+                f"{name}: one completion per request on this route; "
+                "/v1/completions and /v1/chat/completions take n",
+                param=name,
+            )
+    if body.t_max_predict_ms not in (None, 0):
+        raise InvalidRequest("t_max_predict_ms is not supported", param="t_max_predict_ms")
+    for name in ("return_tokens", "return_progress", "verbose"):
+        if getattr(body, name) not in (None, False):
+            raise InvalidRequest(f"{name} is not supported", param=name)
+    options = body.stream_options
+    if isinstance(options, dict) and not isinstance(options.get("include_usage", False), bool):
+        raise InvalidRequest(
+            "stream_options.include_usage must be a boolean", param="stream_options.include_usage"
+        )
+    fields = body.response_fields
+    if fields is not None and not (
+        isinstance(fields, list) and all(isinstance(f, str) for f in fields)
+    ):
+        raise InvalidRequest("response_fields must be a list of strings", param="response_fields")
+    if body.sse_ping_interval is not None and body.sse_ping_interval < 0:
+        raise InvalidRequest("sse_ping_interval must be 0 or more", param="sse_ping_interval")
+
+
 def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
-    if body.n_probs is not None and not 0 <= body.n_probs <= 20:
-        raise InvalidRequest("n_probs must be between 0 and 20", param="n_probs")
+    _refuse(body)
+    n_probs = body.n_probs if body.n_probs is not None else body.logprobs
+    n_probs_param = "n_probs" if body.n_probs is not None else "logprobs"
+    if n_probs is not None and not 0 <= n_probs <= 20:
+        raise InvalidRequest(f"{n_probs_param} must be between 0 and 20", param=n_probs_param)
     if body.id_slot not in (None, -1):
         raise InvalidRequest("choosing a slot is not supported; use id_slot -1", param="id_slot")
     ctx = server()
-    n_predict = body.n_predict if body.n_predict is not None else body.max_tokens
+    n_predict = _n_predict(body)
     return GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=prompt,
         sampling=sampling_params(body, ctx.settings.sampling, len(ctx.info.tokenizer)),
-        # llama-server: n_predict -1 means "until end of sequence or context".
-        max_tokens=None if n_predict is None or n_predict < 0 else n_predict,
+        # llama-server: -1 means "until end of sequence or context"; 0 reads the prompt and,
+        # as llama-server does, still emits one token.
+        max_tokens=None if n_predict < 0 else max(n_predict, 1),
         stop=tuple(body.stop or ()),
         ignore_eos=bool(body.ignore_eos),
         cache_key=None if body.cache_prompt is False else "",
-        logprobs=body.n_probs if body.n_probs else None,
+        logprobs=n_probs if n_probs else None,
         constraint=structured_wire.native_constraint(body.json_schema, body.grammar),
         thinking_budget=structured_wire.thinking_budget(
             {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS},
@@ -113,48 +179,98 @@ def _ms(a: float | None, b: float | None) -> float:
     return (b - a) * 1000.0 if a is not None and b is not None else 0.0
 
 
-def final_object(ctx: ServerContext, slot: OutputSlot, text: str, finish: str) -> dict[str, Any]:
+def _timings(slot: OutputSlot) -> dict[str, float]:
     prompt_n = slot.prompt_tokens - slot.cached_tokens
     prompt_ms = _ms(slot.started_at, slot.first_token_at)
-    predicted_ms = _ms(slot.first_token_at, slot.finished_at)
+    end = slot.finished_at if slot.finished_at is not None else time.monotonic()
+    predicted_ms = _ms(slot.first_token_at, end)
     n = slot.completion_tokens
-    stop_type = {"length": "limit"}.get(finish, "word" if slot.stop_word is not None else "eos")
     return {
+        "cache_n": slot.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_ms else 0.0,
+        "predicted_n": n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / n if n else 0.0,
+        "predicted_per_second": n * 1000.0 / predicted_ms if predicted_ms else 0.0,
+    }
+
+
+@attrs.frozen
+class _Call:
+    """One completion as asked: what its responses echo and how they are shaped."""
+
+    body: NativeCompletionBody
+    gen: GenerationRequest
+    prompt_text: str
+
+
+def final_object(ctx: ServerContext, call: _Call, slot: OutputSlot, text: str, finish: str) -> Any:
+    stop_type = {"length": "limit"}.get(finish, "word" if slot.stop_word is not None else "eos")
+    gen = call.gen
+    settings = generation_settings(
+        gen.sampling,
+        n_predict=_n_predict(call.body),
+        stop=gen.stop,
+        ignore_eos=gen.ignore_eos,
+        stream=bool(call.body.stream),
+        cache_prompt=gen.cache_key is not None and ctx.settings.cache_enabled,
+        n_probs=gen.logprobs or 0,
+    )
+    # Key order as llama-server writes it.
+    obj: dict[str, Any] = {
         "index": 0,
         "content": text,
         "tokens": [],
         "id_slot": -1,
         "stop": True,
         "model": ctx.model_id,
-        "tokens_predicted": n,
+        "tokens_predicted": slot.completion_tokens,
         "tokens_evaluated": slot.prompt_tokens,
-        "tokens_cached": slot.cached_tokens,
-        "generation_settings": {"n_ctx": ctx.info.context_length, **generation_defaults(ctx)},
+        "generation_settings": {"n_ctx": ctx.info.context_length, **settings},
+        "prompt": call.prompt_text,
         "has_new_line": "\n" in text,
         "truncated": False,
         "stop_type": stop_type,
         "stopping_word": slot.stop_word or "",
-        "timings": {
-            "cache_n": slot.cached_tokens,
-            "prompt_n": prompt_n,
-            "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-            "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_ms else 0.0,
-            "predicted_n": n,
-            "predicted_ms": predicted_ms,
-            "predicted_per_token_ms": predicted_ms / n if n else 0.0,
-            "predicted_per_second": n * 1000.0 / predicted_ms if predicted_ms else 0.0,
-        },
+        "tokens_cached": slot.cached_tokens,
+        "timings": _timings(slot),
     }
+    return obj
+
+
+def _project(obj: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
+    """llama-server's ``response_fields``: each "a/b" path found, keyed by the whole path."""
+    if not fields:
+        return obj
+    out: dict[str, Any] = {}
+    for path in fields:
+        node: Any = obj
+        for part in path.split("/"):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            out[path] = node
+    return out
+
+
+def _prompt_text(prompt: Prompt) -> str:
+    if isinstance(prompt, TextPrompt):
+        return prompt.text
+    tok = server().info.tokenizer
+    return str(tok.decode(list(prompt.tokens))) if isinstance(prompt, TokensPrompt) else ""
 
 
 async def _run(body: NativeCompletionBody, prompt: Prompt) -> Response:
     ctx = server()
     ctx.check_model(body.model)
-    gen = _request(body, prompt)
-    slot = await start_generation(ctx, gen)
+    call = _Call(body, _request(body, prompt), _prompt_text(prompt))
+    slot = await start_generation(ctx, call.gen)
     if body.stream:
-        return _stream(ctx, slot)
+        return _stream(ctx, call, slot)
     try:
         parts = []
         lps: list[TokenLogprob] = []
@@ -167,14 +283,17 @@ async def _run(body: NativeCompletionBody, prompt: Prompt) -> Response:
                 break
     finally:
         slot.cancel()
-    obj = final_object(ctx, slot, "".join(parts), update.finish_reason)
-    if gen.logprobs is not None:
+    obj = final_object(ctx, call, slot, "".join(parts), update.finish_reason)
+    if call.gen.logprobs is not None:
         obj["completion_probabilities"] = logprobs.native(ctx.info.tokenizer, lps)
+    obj = _project(obj, body.response_fields)
     return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
 
 
-def _stream(ctx: ServerContext, slot: OutputSlot) -> Response:
+def _stream(ctx: ServerContext, call: _Call, slot: OutputSlot) -> Response:
     ping = ctx.ping_interval
+    if call.body.sse_ping_interval is not None:
+        ping = call.body.sse_ping_interval or float("inf")
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -188,7 +307,7 @@ def _stream(ctx: ServerContext, slot: OutputSlot) -> Response:
                     yield sse.KEEPALIVE
                     continue
                 if update.text or update.logprobs:
-                    frame = {
+                    frame: dict[str, Any] = {
                         "index": 0,
                         "content": update.text,
                         "tokens": [],
@@ -197,13 +316,16 @@ def _stream(ctx: ServerContext, slot: OutputSlot) -> Response:
                         "tokens_predicted": slot.completion_tokens,
                         "tokens_evaluated": slot.prompt_tokens,
                     }
+                    if call.body.timings_per_token:
+                        frame["timings"] = _timings(slot)
                     if update.logprobs:
                         frame["completion_probabilities"] = logprobs.native(
                             ctx.info.tokenizer, update.logprobs
                         )
                     yield sse.data(frame)
                 if update.finish_reason is not None:
-                    yield sse.data(final_object(ctx, slot, "", update.finish_reason))
+                    final = final_object(ctx, call, slot, "", update.finish_reason)
+                    yield sse.data(_project(final, call.body.response_fields))
                     return
         finally:
             slot.cancel()

@@ -21,6 +21,7 @@ from mlxcel.runtime.errors import (
     NotImplementedRoute,
     ServiceError,
 )
+from mlxcel.runtime.messages import SamplingParams
 
 bp = Blueprint("ops", __name__)
 
@@ -40,17 +41,39 @@ def _json(obj: object) -> Response:
 
 
 def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
-    s = ctx.settings.sampling
+    """The settings a request gets when it names none (/props)."""
+    return generation_settings(
+        ctx.settings.sampling,
+        n_predict=ctx.settings.n_predict,
+        stop=(),
+        ignore_eos=False,
+        stream=False,
+        cache_prompt=ctx.settings.cache_enabled,
+    )
+
+
+def generation_settings(
+    s: SamplingParams,
+    *,
+    n_predict: int,
+    stop: tuple[str, ...],
+    ignore_eos: bool,
+    stream: bool,
+    cache_prompt: bool,
+    n_probs: int = 0,
+) -> dict[str, Any]:
+    """llama-server's ``generation_settings``: the settings one completion ran with."""
     return {
-        "n_predict": ctx.settings.n_predict,
+        "n_predict": n_predict,
         **{k: v for k, v in attrs.asdict(s).items() if k not in ("seed", "logit_bias")},
         "dry_sequence_breakers": list(s.dry_sequence_breakers),
         "logit_bias": [list(p) for p in s.logit_bias],
         "seed": -1 if s.seed is None else s.seed,
-        "stop": [],
-        "ignore_eos": False,
-        "stream": False,
-        "cache_prompt": ctx.settings.cache_enabled,
+        "stop": list(stop),
+        "ignore_eos": ignore_eos,
+        "stream": stream,
+        "cache_prompt": cache_prompt,
+        "n_probs": n_probs,
     }
 
 
