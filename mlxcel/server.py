@@ -177,7 +177,7 @@ async def serve(
         async def run_http(*, task_status: trio.TaskStatus[list[str]]) -> None:
             try:
                 await hypercorn_serve(
-                    app,  # type: ignore[arg-type]
+                    app,
                     hypercorn_config(settings),
                     shutdown_trigger=http_stop.wait,
                     task_status=task_status,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Before anything imports mlx.core: loads OpenBLAS with RTLD_GLOBAL (see mlxcel/models/blas.py).
-import mlxcel.models  # noqa: F401  isort: skip
+import mlxcel.models  # noqa: F401  isort: skip  (OpenBLAS before mlx)
 
 import os
 import socket

@@ -16,7 +16,7 @@ import attrs
 # This checkout's package, not whichever mlxcel the interpreter has installed (a shared venv).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlxcel.runtime import messages  # noqa: E402
+from mlxcel.runtime import messages  # noqa: E402 - after the sys.path insert
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "reference" / "messages.md"
 

@@ -100,7 +100,7 @@ class SessionStore:
         except BaseException as error:  # reported to every caller instead of a dead thread
             failure = error
             while (job := self._jobs.get()) is not None:
-                job(_Broken(failure))  # type: ignore[arg-type]
+                job(_Broken(failure))  # type: ignore[arg-type]  # stands in for a SessionDB
             return
         try:
             while (job := self._jobs.get()) is not None:

@@ -319,7 +319,7 @@ def start_or_connect(
         api_key=api_key,
         startup_timeout=startup_timeout,
         shutdown_grace=shutdown_grace,
-        **server_options,  # type: ignore[arg-type]
+        **server_options,  # type: ignore[arg-type]  # the clients' typed options, less unset
     )
     server.start()
     return server.target, server

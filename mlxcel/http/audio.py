@@ -272,13 +272,13 @@ async def speech() -> Response:
         first = await anext(chunks)
     except BaseException:
         encoder.close()
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await chunks.aclose()
         raise
 
     async def body() -> AsyncIterator[bytes]:
         finished = False
         try:
-            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async with contextlib.aclosing(chunks):
                 yield encoder.push(first)
                 async for pcm in chunks:
                     out = encoder.push(pcm)

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+from numpy.typing import NDArray
 from quart import Blueprint, Response, request
 
 from mlxcel.actors.embedder import Embedder, EmbedderInfo
@@ -153,6 +154,7 @@ def normalize(vectors: np.ndarray, mode: int) -> np.ndarray:
     """llama-server's ``embd_normalize``: -1 none, 0 max-abs (int16 range), 1 taxicab, 2 L2,
     p > 2 the p-norm. Rows are ``[n, dim]``."""
     v = vectors.astype(np.float64)
+    norm: NDArray[np.float64]
     if mode < 0:
         return vectors.astype(np.float32)
     if mode == 0:

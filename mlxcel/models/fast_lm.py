@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from mlxcel.models import fast_math
@@ -30,7 +31,7 @@ def enabled() -> bool:
     return os.environ.get("MLXCEL_FAST_MATH", "1") != "0" and mx.default_device() == mx.cpu
 
 
-def _lm_attention(original: Any) -> Any:
+def _lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(
         queries: mx.array,
         keys: Any,
@@ -50,17 +51,17 @@ def _lm_attention(original: Any) -> Any:
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return fast_math.attention(queries, keys, values, scale=scale, mask=mask)
 
-    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
+    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps
     return scaled_dot_product_attention
 
 
-def _lm_swiglu(original: Any) -> Any:
+def _lm_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         if gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
         return fast_math.silu_mul(gate, x)
 
-    swiglu.__wrapped__ = original  # type: ignore[attr-defined]
+    swiglu.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps
     return swiglu
 
 

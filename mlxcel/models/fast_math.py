@@ -135,7 +135,7 @@ class _PerShape:
                 local.compiled = mx.compile(self._fn)
                 local.shapes = seen = set()
             seen.add(shapes)
-            return local.compiled(*args)  # type: ignore[no-any-return]
+            return local.compiled(*args)  # type: ignore[no-any-return]  # a threading.local slot
 
     def _probe(self, arity: int) -> bool:
         try:

@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-# Defining modules, not mlx.nn: mlx.nn re-exports by star import, which
-# mypy --strict (no implicit re-export) does not see through.
+# Defining modules, not mlx.nn: mlx.nn re-exports by star import, which mypy --strict (no
+# implicit re-export) sees through only by the mlx.nn override in pyproject.toml.
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
@@ -104,7 +104,7 @@ def load_model(
         chat_template=_chat_template(tokenizer),
         context_length=_context_length(config, tokenizer),
         vocab_size=int(_config_value(config, "vocab_size") or len(tokenizer)),
-        n_params=int(get_total_parameters(model)),  # type: ignore[no-untyped-call]
+        n_params=int(get_total_parameters(model)),
         dtype=dtype,
         quantized=_is_quantized(model),
         config=config,
@@ -119,7 +119,7 @@ def _quantized_classes() -> tuple[type[Module], ...]:
 
 def _is_quantized(model: Module) -> bool:
     classes = _quantized_classes()
-    modules = model.named_modules()  # type: ignore[no-untyped-call]  # untyped in mlx
+    modules = model.named_modules()
     return any(isinstance(m, classes) for _, m in modules)
 
 
@@ -128,7 +128,7 @@ def _dequantize(model: Module) -> None:
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
     replaced: list[tuple[str, Module]] = []
-    for name, module in model.named_modules():  # type: ignore[no-untyped-call]  # untyped in mlx
+    for name, module in model.named_modules():
         if not isinstance(module, _quantized_classes()):
             continue
         scales = module["scales"]
@@ -170,7 +170,7 @@ def _cast(model: Module, dtype: mx.Dtype) -> None:
             return value
         return value.astype(dtype)
 
-    params = model.parameters()  # type: ignore[no-untyped-call]  # untyped in mlx
+    params = model.parameters()
     model.update(tree_map_with_path(cast, params))
 
 

@@ -287,7 +287,8 @@ def test_embedding_only_mode_serves_embeddings_and_cosine_rerank(embed_only: Ser
 
 
 def test_decoder_model_as_embedder_uses_last_token_pooling(tiny_model_dir: Path) -> None:
-    """An mlx-lm architecture served as an embedder: the last token's final hidden state, L2-normed."""
+    """An mlx-lm architecture served as an embedder: the last token's final hidden state,
+    L2-normed."""
     import mlx.core as mx
     from mlx_lm import load
 

@@ -1,4 +1,5 @@
-"""The MLX encoder against published figures, the sentence-transformers layout, the cross-encoder."""
+"""The MLX encoder against published figures, the sentence-transformers layout, the
+cross-encoder."""
 
 from __future__ import annotations
 

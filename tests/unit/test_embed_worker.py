@@ -81,14 +81,13 @@ async def test_waiting_jobs_share_micro_batches_and_pairs_score() -> None:
         async def one(name: str, inputs: list[EmbedInput]) -> None:
             results[name] = await embedder.embed(inputs)
 
-        nursery.start_soon(one, "first", ["a"])
-        await trio.to_thread.run_sync(backend.entered.wait)
-        nursery.start_soon(one, "second", ["aaaa", [7, 8]])
-        nursery.start_soon(one, "third", ["aaa", "aaaaa"])
-        await trio.sleep(0.05)
-        backend.gate.set()
-        while len(results) < 3:
-            await trio.sleep(0.01)
+        async with trio.open_nursery() as jobs:  # closes when all three have their results
+            jobs.start_soon(one, "first", ["a"])
+            await trio.to_thread.run_sync(backend.entered.wait)
+            jobs.start_soon(one, "second", ["aaaa", [7, 8]])
+            jobs.start_soon(one, "third", ["aaa", "aaaaa"])
+            await trio.sleep(0.05)
+            backend.gate.set()
         nursery.cancel_scope.cancel()
     assert backend.batches == [[1], [2, 3, 4, 5]]
     np.testing.assert_allclose(np.asarray(results["second"].values), [[4, 1], [2, 7]])  # type: ignore[attr-defined]

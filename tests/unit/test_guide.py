@@ -4,7 +4,7 @@ and a matcher error that ends the row instead of the batch step."""
 from __future__ import annotations
 
 # Before anything imports mlx.core: loads OpenBLAS with RTLD_GLOBAL (see mlxcel/models/blas.py).
-import mlxcel.models  # noqa: F401  isort: skip
+import mlxcel.models  # noqa: F401  isort: skip  (OpenBLAS before mlx)
 
 import concurrent.futures
 import json

@@ -67,9 +67,9 @@ def chat(content: str = "Hi", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], **extra}
 
 
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
+async def wait_until(predicate: Any) -> None:
+    with trio.fail_after(10.0):
+        while not predicate():  # noqa: ASYNC110 - fakes change state without an event to await
             await trio.sleep(0.01)
 
 
@@ -222,7 +222,10 @@ async def scripted(
         yield client, ctx.model_id
 
 
-CALL = 'I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL = (
+    'I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call>"
+)
 
 
 async def test_tool_call_non_streaming_shape(smollm_tokenizer: Any) -> None:

@@ -196,7 +196,7 @@ def dry_reference(
     n = len(context) if last_n < 0 else min(len(context), last_n)
     if n <= allowed:
         return {}
-    rat = lambda i: context[len(context) - 1 - i]  # noqa: E731
+    rat = lambda i: context[len(context) - 1 - i]  # noqa: E731 - a lambda, as in llama.cpp
     heads: dict[int, list[tuple[int, ...]]] = {t: [()] for t in breakers.single}
     for head, tail in breakers.multi:
         heads.setdefault(head, []).append(tail)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serving import default_model_path, float32_folder, ours, wait_ready  # noqa: E402
+from serving import default_model_path, float32_folder, ours, wait_ready  # noqa: E402 - after sys.path
 
 
 def prompt_tokens_read(metrics: str) -> float:

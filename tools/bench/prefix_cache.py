@@ -105,7 +105,8 @@ def main() -> int:
         print(f"| cold TTFT p50 (~1,000-token prompt) | {c * 1000:.0f} ms |")
         print(f"| warm TTFT p50 (shared prefix cached, {c1} tokens) | {w * 1000:.0f} ms |")
         print(
-            f"| warm / cold | {w / c:.2f}x (target <= 0.30x: {'met' if w / c <= 0.3 else 'MISSED'}) |"
+            f"| warm / cold | {w / c:.2f}x "
+            f"(target <= 0.30x: {'met' if w / c <= 0.3 else 'MISSED'}) |"
         )
 
         stop = threading.Event()
@@ -139,7 +140,8 @@ def main() -> int:
         samples.sort()
         p50, p99 = samples[len(samples) // 2], samples[int(len(samples) * 0.99) - 1]
         print(
-            f"| /metrics scrape under 8 streams, p50 / p99 | {p50 * 1000:.1f} / {p99 * 1000:.1f} ms "
+            f"| /metrics scrape under 8 streams, p50 / p99 | "
+            f"{p50 * 1000:.1f} / {p99 * 1000:.1f} ms "
             f"(target < 10 ms: {'met' if p50 < 0.010 else 'MISSED'}) |"
         )
         for t in threads:

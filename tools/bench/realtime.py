@@ -40,7 +40,7 @@ import trio
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.support.realtime import connect, frames, silence, spoken  # noqa: E402
+from tests.support.realtime import connect, frames, silence, spoken  # noqa: E402 - after sys.path
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -207,7 +207,9 @@ src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 model, _, config = load(str(src), lazy=True, return_config=True)
 for _, m in model.named_modules():
     # Dequantise with float32 scales (as mlxcel's loader does), never float16.
-    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and mx.issubdtype(m.scales.dtype, mx.floating):
+    if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and mx.issubdtype(
+        m.scales.dtype, mx.floating
+    ):
         m.scales = m.scales.astype(mx.float32)
         if m.get("biases") is not None:
             m.biases = m.biases.astype(mx.float32)
@@ -224,8 +226,9 @@ for k in ("quantization", "quantization_config"):
     raw.pop(k, None)
 raw["torch_dtype"] = "float32"
 (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+skip = ("config.json", "model.safetensors.index.json")
 for f in src.iterdir():
-    if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+    if f.is_file() and f.suffix != ".safetensors" and f.name not in skip:
         shutil.copy(f, tmp / f.name)
 shutil.rmtree(dst, ignore_errors=True)
 tmp.rename(dst)
@@ -337,7 +340,7 @@ def mlx_lm_server(model: str, parallel: int, logdir: Path) -> Server:
     return Server("mlx_lm.server", [PY, "-c", code], port, logdir / "mlx_lm_server.log")
 
 
-async def wait_ready(client, server: Server, timeout: float) -> None:
+async def wait_ready(client, server: Server, timeout: float) -> None:  # noqa: ASYNC109 - a poll loop; its error names the timeout
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -521,7 +524,8 @@ async def bench_server(
             print(
                 f"  {server.name} c={c:<3} {lv.tok_s:7.1f} tok/s  TTFT p50 {lv.ttft_p50:6.3f}s "
                 f"p90 {lv.ttft_p90:6.3f}s  ITL p50 {lv.itl_p50 * 1000:6.1f}ms  "
-                f"({lv.tokens} tok / {lv.wall:.1f}s, {len(lv.errors)} err, {len(lv.mismatches)} mismatch; "
+                f"({lv.tokens} tok / {lv.wall:.1f}s, {len(lv.errors)} err, "
+                f"{len(lv.mismatches)} mismatch; "
                 f"server {lv.server_cores:.2f} cores, other processes {lv.other_cores:.2f} cores)",
                 flush=True,
             )
@@ -575,7 +579,7 @@ def raw_worker(model: str, levels: list[int], n_for_list: list[int], tokens: int
 
     run(min(4, max(levels)), prompts(9000, min(4, max(levels))), 8)  # warm-up
     idx = 0
-    for c, n in zip(levels, n_for_list):
+    for c, n in zip(levels, n_for_list, strict=False):
         ps = prompts(idx, n)
         idx += n
         plen = statistics.mean(len(p) for p in ps)
@@ -615,11 +619,13 @@ def ratio(a, b) -> str:
 def report(levels, res_ours, res_mlx, res_raw, tokens) -> tuple[str, list[str]]:
     lines = [
         f"Output tokens per request: {tokens}. tok/s = all output tokens / wall time of the level; "
-        "TTFT = send -> first content delta; ITL = per-request mean gap between content chunks, median "
-        "across requests. Other CPU load: cores kept busy by processes outside the benchmark "
-        f"during the level (machine has {os.cpu_count()}); much above 0 means the numbers are disturbed.",
+        "TTFT = send -> first content delta; ITL = per-request mean gap between content chunks, "
+        "median across requests. Other CPU load: cores kept busy by processes outside the "
+        f"benchmark during the level (machine has {os.cpu_count()}); much above 0 means the "
+        "numbers are disturbed.",
         "",
-        "| conc | mlxcel tok/s | mlx_lm.server tok/s | raw BatchGenerator tok/s | ours/mlx_lm | ours/raw "
+        "| conc | mlxcel tok/s | mlx_lm.server tok/s | raw BatchGenerator tok/s | ours/mlx_lm "
+        "| ours/raw "
         "| TTFT p50 ours / mlx_lm (s) | TTFT p90 ours / mlx_lm (s) | ITL p50 ours / mlx_lm (ms) "
         "| other CPU load ours / mlx_lm / raw (cores) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -636,7 +642,8 @@ def report(levels, res_ours, res_mlx, res_raw, tokens) -> tuple[str, list[str]]:
             f"| {fmt(o.ttft_p50 if o else None, '.3f')} / {fmt(m.ttft_p50 if m else None, '.3f')} "
             f"| {fmt(o.ttft_p90 if o else None, '.3f')} / {fmt(m.ttft_p90 if m else None, '.3f')} "
             f"| {fmt(o.itl_p50 * 1000 if o else None)} / {fmt(m.itl_p50 * 1000 if m else None)} "
-            f"| {fmt(o.other_cores if o else None, '.2f')} / {fmt(m.other_cores if m else None, '.2f')} / "
+            f"| {fmt(o.other_cores if o else None, '.2f')} / "
+            f"{fmt(m.other_cores if m else None, '.2f')} / "
             f"{fmt(r.get('other_cores') if r else None, '.2f')} |"
         )
     top = max(levels)
@@ -742,7 +749,7 @@ def main() -> int:
             res[key] = asyncio.run(
                 bench_server(srv, levels, n_for, a.tokens, a.ready_timeout, tag + key[0])
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - reported, the run fails at the end
             print(f"ERROR: {srv.name}: {e}", flush=True)
             failed = True
         finally:
@@ -788,8 +795,8 @@ def main() -> int:
                 failed = True
             if lv.mismatches:
                 print(
-                    f"WARNING: {key} c={lv.concurrency}: {len(lv.mismatches)} requests did not produce "
-                    f"exactly {a.tokens} tokens (e.g. {lv.mismatches[0]})"
+                    f"WARNING: {key} c={lv.concurrency}: {len(lv.mismatches)} requests did not "
+                    f"produce exactly {a.tokens} tokens (e.g. {lv.mismatches[0]})"
                 )
                 failed = failed or a.strict
     if a.json:

@@ -71,8 +71,8 @@ class FasterWhisper:
     COMPUTE_TYPE = "int8"
 
     def __init__(self, model: SttModel) -> None:
-        from faster_whisper import WhisperModel  # type: ignore[import-untyped]
-        from faster_whisper.tokenizer import _LANGUAGE_CODES  # type: ignore[import-untyped]
+        from faster_whisper import WhisperModel
+        from faster_whisper.tokenizer import _LANGUAGE_CODES
 
         self.model = WhisperModel(str(model.path), device="cpu", compute_type=self.COMPUTE_TYPE)
         self.multilingual = model.multilingual
@@ -121,9 +121,9 @@ class FasterWhisper:
         (reaches the token cap), compresses too well, or is unsure falls back to the 30 s
         window, which costs only the time already spent.
         """
-        import ctranslate2  # type: ignore[import-untyped]
-        from faster_whisper.tokenizer import Tokenizer  # type: ignore[import-untyped]
-        from faster_whisper.transcribe import get_compression_ratio  # type: ignore[import-untyped]
+        import ctranslate2
+        from faster_whisper.tokenizer import Tokenizer
+        from faster_whisper.transcribe import get_compression_ratio
 
         samples = np.asarray(audio, dtype=np.float32)
         rate = self.model.feature_extractor.sampling_rate
@@ -218,7 +218,7 @@ def _segments(raw: Iterator[Any]) -> Iterator[Segment]:
 
 class Piper:
     def __init__(self, model: TtsModel) -> None:
-        import onnxruntime  # type: ignore[import-untyped]
+        import onnxruntime
         from piper import PiperConfig, PiperVoice, SynthesisConfig
 
         # piper's own ``load`` with onnxruntime's defaults, except that the pool threads

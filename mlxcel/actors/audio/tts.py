@@ -9,7 +9,7 @@ speak at once.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -178,7 +178,7 @@ class TextToSpeech:
         voice: str | None = None,
         speed: float = 1.0,
         deadline: float | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Speak ``text``: PCM16 mono little-endian chunks at ``sample_rate``, one per sentence.
 
         ``voice`` is an OpenAI voice name or one of ``info.voices`` (InvalidRequest otherwise);

@@ -30,9 +30,11 @@ from mlxcel.runtime.errors import InternalError, MlxcelError, ServerBusy
 log = logging.getLogger(__name__)
 
 B = TypeVar("B")
+# Job only takes a backend in: a job for any backend is a job for a particular one.
+B_contra = TypeVar("B_contra", contravariant=True)
 
 
-class Job(Protocol[B]):  # type: ignore[misc]
+class Job(Protocol[B_contra]):
     """One request's work, advanced on the worker's thread one step at a time."""
 
     # Set from the Trio side; read by the thread before each step (a stale read costs a step).
@@ -40,7 +42,7 @@ class Job(Protocol[B]):  # type: ignore[misc]
     # ``time.monotonic()`` by which the next step's output is wanted (the job moves it on).
     deadline: float
 
-    def step(self, backend: B) -> bool:
+    def step(self, backend: B_contra) -> bool:
         """Run one step on the worker's thread; True when the job is finished."""
         ...
 

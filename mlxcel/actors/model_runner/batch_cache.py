@@ -15,12 +15,13 @@ mlx-lm's own ``merge``, so a subclass would never be used); it is idempotent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-_ORIGINAL_EXTEND = BatchKVCache.extend
+_ORIGINAL_EXTEND: Callable[[Any, Any], None] = BatchKVCache.extend
 
 
 def _extend(self: Any, other: Any) -> None:
@@ -51,4 +52,4 @@ def _extend(self: Any, other: Any) -> None:
 
 
 def install() -> None:
-    BatchKVCache.extend = _extend
+    BatchKVCache.extend = _extend  # type: ignore[method-assign]  # the patch, on purpose

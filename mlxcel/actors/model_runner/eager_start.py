@@ -23,7 +23,7 @@ extracts a row's cache right after its prompt, before the last token is read.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
@@ -91,7 +91,7 @@ class PrimedGenerationBatch(GenerationBatch):
         if PRIMED in starts:
             primed = [self._next_logprobs[i] for i, s in enumerate(starts) if s == PRIMED]
             mx.eval(self._next_tokens, primed)
-            first = self._next_tokens.tolist()
+            first = cast(list[int], self._next_tokens.tolist())  # a 1-d int array
         keep = []
         responses = []
         for i, uid in enumerate(self.uids):
@@ -146,7 +146,7 @@ class EagerStartBatchGenerator(BatchGenerator):
         prompt-cache hits) join primed before this step's decode: their first token comes
         out of this very step (mlx-lm: a pass each now, the token a step later)."""
         room = self.completion_batch_size - len(self._generation_batch) - len(self._prompt_batch)
-        rows = []
+        rows: list[tuple[Any, ...]] = []
         while self._unprocessed_sequences and len(rows) < room:
             uid, segments = self._unprocessed_sequences[0][:2]
             if len(segments) != 1 or len(segments[0]) != 1 or self._hold(uid):

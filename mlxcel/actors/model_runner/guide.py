@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -143,7 +143,7 @@ class Guide:
             # Start this step's forward pass before waiting for last step's token, so the
             # device computes it while this thread computes the mask (as vLLM overlaps them).
             mx.async_eval(logits)
-            new: list[int] = context[self._base :].tolist()  # type: ignore[assignment]
+            new = cast(list[int], context[self._base :].tolist())  # a 1-d int array
             for token in new:
                 self._observe(int(token))
             self._base = n

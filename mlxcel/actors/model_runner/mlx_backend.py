@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import mlx.core as mx
@@ -113,8 +113,8 @@ class MlxBackend:
             self._cache.reset()
         if plan.removes or plan.stop_choices:
             self._remove(plan.removes, plan.stop_choices)
-        for rid in plan.end_reasoning:
-            for uid in self._uids_by_rid.get(rid, ()):
+        for ending in plan.end_reasoning:
+            for uid in self._uids_by_rid.get(ending, ()):
                 if (guide := self._guides.get(uid)) is not None:
                     guide.end_thinking()
         cached = self._insert(plan.inserts) if plan.inserts else ()
@@ -177,16 +177,20 @@ class MlxBackend:
         dist = mx.stack([r.logprobs for r, _ in rows])
         chosen = mx.take_along_axis(dist, mx.array([[r.token] for r, _ in rows]), axis=-1)
         k = max(k for _, k in rows)
+        ids_list: list[list[int]]
+        vals_list: list[list[float]]
         if k > 0:
             top_ids = mx.argpartition(-dist, kth=k - 1, axis=-1)[:, :k]
             top_vals = mx.take_along_axis(dist, top_ids, axis=-1)
             mx.eval(chosen, top_ids, top_vals)
-            ids_list, vals_list = top_ids.tolist(), top_vals.tolist()
+            ids_list = cast(list[list[int]], top_ids.tolist())
+            vals_list = cast(list[list[float]], top_vals.tolist())
         else:
             mx.eval(chosen)
-            ids_list = vals_list = [[] for _ in rows]
+            ids_list, vals_list = [[] for _ in rows], [[] for _ in rows]
         out = {}
-        for (r, want), c, ids, vals in zip(rows, chosen.tolist(), ids_list, vals_list, strict=True):
+        chosen_list = cast(list[list[float]], chosen.tolist())
+        for (r, want), c, ids, vals in zip(rows, chosen_list, ids_list, vals_list, strict=True):
             top = sorted(zip(ids, vals, strict=True), key=lambda p: -p[1])[:want]
             out[r.uid] = (float(c[0]), tuple((int(i), float(v)) for i, v in top))
         return out
