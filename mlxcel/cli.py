@@ -7,6 +7,7 @@ the default. BLAS is chosen here, before anything imports mlx.
 from __future__ import annotations
 
 import argparse
+import csv
 import logging
 import os
 import sys
@@ -175,8 +176,33 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     opt(
         "--cors-origins",
         env="LLAMA_ARG_CORS_ORIGINS",
+        default=None,
+        help="comma list of origins allowed by CORS; '*' (the default) allows any, echoing "
+        "the request's Origin",
+    )
+    opt(
+        "--allowed-origins",
+        env="MLXCEL_ALLOWED_ORIGINS",
+        default=None,
+        help="comma list of the only origins CORS allows (not with --cors-origins)",
+    )
+    opt(
+        "--cors-methods",
+        env="LLAMA_ARG_CORS_METHODS",
+        default="GET, POST, DELETE, OPTIONS",
+        help="methods a CORS preflight allows",
+    )
+    opt(
+        "--cors-headers",
+        env="LLAMA_ARG_CORS_HEADERS",
         default="*",
-        help="comma list of origins allowed by CORS; '*' allows any",
+        help="request headers a CORS preflight allows; '*' allows the ones asked for",
+    )
+    p.add_argument(
+        "--cors-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="allow credentials (cookies, Authorization) on cross-origin requests",
     )
     opt(
         "-cram",
@@ -449,17 +475,36 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def api_keys(args: argparse.Namespace) -> frozenset[str]:
+    """Every key from every source, as llama-server reads them: ``--api-key`` and
+    ``LLAMA_API_KEY`` are comma lists with CSV quoting; a key file has one key a line, ``#`` in
+    column 1 a comment. Nothing is trimmed (a key is compared exactly as given). Sources that
+    yield no key at all stop the server rather than leave it open."""
     raw: list[str] = list(args.api_key)
     if env := _env("LLAMA_API_KEY"):
         raw.append(env)
-    keys = {k.strip() for item in raw for k in item.split(",") if k.strip()}
+    keys = {k for item in raw for row in csv.reader([item]) for k in row if k}
+    given = bool(raw)
     if args.api_key_file is not None:
+        given = True
         try:
-            lines = Path(args.api_key_file).read_text().splitlines()
+            # newline="": a CR before the LF stays part of the key, as in llama-server.
+            with Path(args.api_key_file).open(encoding="utf-8", newline="") as f:
+                lines = f.read().split("\n")
         except OSError as error:
             raise SystemExit(f"error: --api-key-file: {error}") from None
-        keys |= {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+        if any(line.endswith("\r") for line in lines):
+            log.warning("--api-key-file has CRLF line ends: the CR is part of each key")
+        keys |= {line for line in lines if line and not line.startswith("#")}
+    if given and not keys:
+        raise SystemExit("error: --api-key / --api-key-file / LLAMA_API_KEY gave no key")
     return frozenset(keys)
+
+
+def cors_origins(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.cors_origins is not None and args.allowed_origins is not None:
+        raise SystemExit("error: --allowed-origins cannot be combined with --cors-origins")
+    spec = args.cors_origins or args.allowed_origins or "*"
+    return tuple(o.strip() for o in spec.split(",") if o.strip())
 
 
 def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
@@ -542,7 +587,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         cache_dir=args.cache_dir,
         api_keys=api_keys(args),
         api_prefix="/" + args.api_prefix.strip("/") if args.api_prefix.strip("/") else "",
-        cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+        cors_origins=cors_origins(args),
+        cors_methods=args.cors_methods,
+        cors_headers=args.cors_headers,
+        cors_credentials=args.cors_credentials,
         timeout=args.timeout,
         cache_ram_mib=args.cache_ram,
         max_request_bytes=args.max_request_bytes,

@@ -26,14 +26,22 @@ from mlxcel.http import (
 )
 from mlxcel.http import realtime as realtime_ws
 from mlxcel.http.context import ServerContext
-from mlxcel.http.errors import Family, drain_body, error_response, unexpected
+from mlxcel.http.errors import (
+    Family,
+    drain_body,
+    error_response,
+    is_anthropic_path,
+    unexpected,
+)
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 
 
 def _family() -> Family:
-    if request.blueprint in ANTHROPIC_BLUEPRINTS:
+    if request.blueprint in ANTHROPIC_BLUEPRINTS or (
+        request.blueprint is None and is_anthropic_path(request.path)
+    ):
         return "anthropic"
     return "native" if request.blueprint in NATIVE_BLUEPRINTS else "openai"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from typing import Literal
 
 from quart import Response, has_request_context, request
@@ -15,6 +16,15 @@ from mlxcel.runtime.errors import InternalError, MlxcelError
 log = logging.getLogger(__name__)
 
 Family = Literal["openai", "native", "anthropic"]
+
+_ANTHROPIC_PATH = re.compile(r"(?:^|/)v1/messages(?:/|$)")
+
+
+def is_anthropic_path(path: str) -> bool:
+    """An Anthropic SDK's path (under any --api-prefix), for errors raised before a route
+    matched (an unknown method or sub-route): that client reads only its own envelope."""
+    return _ANTHROPIC_PATH.search(path) is not None
+
 
 # Anthropic's error `type` for each status; other statuses keep our own type string.
 ANTHROPIC_TYPES = {

@@ -2,8 +2,14 @@
 
 Order matters: a CORS preflight (OPTIONS) is answered before authentication, since browsers
 never send credentials on it; then every route except the public health routes needs a key,
-as `Authorization: Bearer <key>` or `X-Api-Key: <key>`. Missing and wrong keys get the same
-401, and keys never reach a log line.
+as `Authorization: Bearer <key>` or `X-Api-Key: <key>` (llama-server's lookup: the
+Authorization header, else X-Api-Key, a "Bearer " prefix taken off either, then compared
+exactly). Missing and wrong keys get the same 401, and keys never reach a log line.
+
+CORS as llama-server answers it: an allowed Origin is echoed back (with "*" configured too,
+so that credentials can be allowed), and a preflight's asked-for headers are allowed when
+the configured list is "*": a literal "*" is no wildcard for a request with credentials, and
+the official JS SDKs send their own ``x-stainless-*`` headers.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import json
 
 from quart import Quart, Response, request
 
-from mlxcel.http.errors import drain_body, error_response
+from mlxcel.http.errors import drain_body, error_response, is_anthropic_path
 from mlxcel.runtime.errors import AuthenticationFailed
 from mlxcel.runtime.settings import Settings
 
@@ -22,19 +28,13 @@ PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
 UNAUTHORIZED = json.dumps(
     {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
 )
-ALLOW_HEADERS = (
-    "Authorization, Content-Type, X-Api-Key, X-Priority, X-Conversation-Id, Anthropic-Version, "
-    "OpenAI-Beta, Anthropic-Beta, Anthropic-Dangerous-Direct-Browser-Access"
-)
-ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 
 def presented_key() -> str | None:
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return request.headers.get("X-Api-Key") or None
+    value = request.headers.get("Authorization") or request.headers.get("X-Api-Key") or ""
+    if value[:7].lower() == "bearer ":
+        value = value[7:]
+    return value or None
 
 
 def key_scope(settings: Settings) -> str:
@@ -58,9 +58,13 @@ def install(app: Quart, settings: Settings) -> None:
         origin = request.headers.get("Origin")
         if origin is None:
             return None
-        if "*" in origins:
-            return "*"
-        return origin if origin in origins else None
+        return origin if "*" in origins or origin in origins else None
+
+    def cors_headers(response: Response, origin: str) -> None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
+        if settings.cors_credentials:
+            response.headers["Access-Control-Allow-Credentials"] = "true"
 
     @app.before_request
     async def _gate() -> Response | None:
@@ -68,25 +72,29 @@ def install(app: Quart, settings: Settings) -> None:
             response = Response("", status=204)
             origin = allowed_origin()
             if origin is not None:
-                response.headers["Access-Control-Allow-Origin"] = origin
-                response.headers["Access-Control-Allow-Methods"] = ALLOW_METHODS
-                response.headers["Access-Control-Allow-Headers"] = ALLOW_HEADERS
+                cors_headers(response, origin)
+                response.headers["Access-Control-Allow-Methods"] = settings.cors_methods
+                asked = request.headers.get("Access-Control-Request-Headers")
+                allow = settings.cors_headers
+                if allow.strip() == "*" and asked:
+                    allow = asked
+                response.headers["Access-Control-Allow-Headers"] = allow
                 response.headers["Access-Control-Max-Age"] = "600"
             return response
         if settings.api_keys and request.path not in PUBLIC_PATHS:
             if not key_ok(presented_key(), settings.api_keys):
                 await drain_body()
-                if request.blueprint == "anthropic":
+                if request.blueprint == "anthropic" or is_anthropic_path(request.path):
                     # Anthropic SDKs read their own envelope: {"type": "error", "error": {...}}.
                     return error_response(AuthenticationFailed("Invalid API Key"), "anthropic")
-                return Response(UNAUTHORIZED, status=401, content_type="application/json")
+                return Response(
+                    UNAUTHORIZED, status=401, content_type="application/json; charset=utf-8"
+                )
         return None
 
     @app.after_request
     async def _cors(response: Response) -> Response:
         origin = allowed_origin()
         if origin is not None:
-            response.headers["Access-Control-Allow-Origin"] = origin
-            if origin != "*":
-                response.headers["Vary"] = "Origin"
+            cors_headers(response, origin)
         return response

@@ -57,8 +57,12 @@ class Settings:
     api_keys: frozenset[str] = attrs.field(factory=frozenset, repr=False)
     # Every route is mounted under this prefix ("" = at the root).
     api_prefix: str = ""
-    # Origins allowed by CORS; "*" allows any.
+    # Origins allowed by CORS; "*" allows any (the request's Origin is echoed).
     cors_origins: tuple[str, ...] = ("*",)
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
+    # Request headers a preflight allows; "*" allows those the preflight asks for.
+    cors_headers: str = "*"
+    cors_credentials: bool = True
     # Seconds an idle connection is kept open (keep-alive).
     timeout: float = 600.0
     # Prompt (prefix) cache budget in MiB; 0 turns the cache off.

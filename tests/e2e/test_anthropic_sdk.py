@@ -340,6 +340,23 @@ def test_wrong_key_is_401_in_the_anthropic_envelope(tool_server: ServerProcess) 
         assert c.messages.count_tokens(model="default", messages=USER).input_tokens > 5
 
 
+def test_errors_before_a_route_matches_use_the_anthropic_envelope(
+    tiny_server: ServerProcess, tool_server: ServerProcess
+) -> None:
+    """An Anthropic SDK reads only its own envelope, also for a method or sub-route we do not
+    serve (they used to come back in OpenAI's)."""
+    for method, path, status, kind in (
+        ("GET", "/v1/messages", 405, "invalid_request_error"),
+        ("POST", "/v1/messages/batches", 404, "not_found_error"),
+    ):
+        r = httpx.request(method, tiny_server.base_url + path, json={})
+        assert r.status_code == status
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind, body
+    r = httpx.post(tool_server.base_url + "/v1/messages/batches", headers={"x-api-key": "no"})
+    assert r.status_code == 401 and r.json()["type"] == "error"
+
+
 def test_full_queue_is_503_overloaded_and_the_waiting_stream_pings(
     tool_server: ServerProcess, tools_client: anthropic.Anthropic
 ) -> None:

@@ -264,22 +264,54 @@ def test_every_non_public_route_needs_a_key(ops_server: ServerProcess) -> None:
 
 
 def test_cors_preflight_is_answered_before_auth(ops_server: ServerProcess) -> None:
+    # The headers the official JS SDKs send from a browser, x-stainless-* included.
+    asked = "authorization,content-type,x-stainless-os,x-stainless-lang"
     r = httpx.options(
         f"{ops_server.base_url}/v1/chat/completions",
         headers={
             "Origin": "http://example.test",
             "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type",
+            "Access-Control-Request-Headers": asked,
         },
     )
     assert r.status_code == 204
-    assert r.headers["access-control-allow-origin"] == "*"
-    assert "POST" in r.headers["access-control-allow-methods"]
-    assert "Authorization" in r.headers["access-control-allow-headers"]
+    # llama-server's answer: the Origin echoed, credentials allowed, the asked headers allowed.
+    assert r.headers["access-control-allow-origin"] == "http://example.test"
+    assert r.headers["access-control-allow-credentials"] == "true"
+    assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
+    assert r.headers["access-control-allow-headers"] == asked
+    assert "Origin" in r.headers["vary"]
     get = httpx.get(
         f"{ops_server.base_url}/v1/models", headers={**auth(), "Origin": "http://example.test"}
     )
-    assert get.headers["access-control-allow-origin"] == "*"
+    assert get.headers["access-control-allow-origin"] == "http://example.test"
+    assert get.headers["access-control-allow-credentials"] == "true"
+    # A 401 carries them too, so the browser lets the page read it.
+    denied = httpx.get(f"{ops_server.base_url}/v1/models", headers={"Origin": "http://x.test"})
+    assert denied.status_code == 401
+    assert denied.headers["access-control-allow-origin"] == "http://x.test"
+
+
+def test_key_lookup_takes_bearer_off_either_header_and_compares_exactly(
+    ops_server: ServerProcess,
+) -> None:
+    url = f"{ops_server.base_url}/v1/models"
+    for headers in (
+        {"Authorization": "Bearer k3"},
+        {"Authorization": "k3"},
+        {"X-Api-Key": "k3"},
+        {"X-Api-Key": "Bearer k3"},
+        {"Authorization": "", "X-Api-Key": "k2"},
+    ):
+        assert httpx.get(url, headers=headers).status_code == 200, headers
+    for headers in (
+        # Exact: the second space is part of the key presented (" k3").
+        {"Authorization": "Bearer  k3"},
+        {"X-Api-Key": "Bearer  k3"},
+        {"Authorization": "k3x"},
+        {"Authorization": "Bearer wrong", "X-Api-Key": "k3"},
+    ):
+        assert httpx.get(url, headers=headers).status_code == 401, headers
 
 
 def test_sdk_with_and_without_key(ops_server: ServerProcess) -> None:
