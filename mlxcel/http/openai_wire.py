@@ -71,6 +71,14 @@ class ChatCompletionBody(SamplingFields):
     thinking_budget: Any = None
     # Arms /v1/chat/completions/control for this completion (llama-server b10621).
     reasoning_control: bool | None = None
+    # OpenAI fields the SDKs and agent frameworks send at values that ask for nothing here;
+    # any other value is a 400 naming the field (_check_openai_extras).
+    store: bool | None = None
+    metadata: Any = None
+    modalities: Any = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    safety_identifier: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -103,6 +111,40 @@ def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(value)
     raise InvalidRequest("stop must be a string or a list of strings", param="stop")
+
+
+def _check_openai_extras(body: ChatCompletionBody) -> None:
+    """Accept what asks for nothing we do not do: ``store: false`` (chat completions are
+    never stored here), text-only ``modalities``, ``metadata`` (it only labels a stored
+    completion, so without storage it changes nothing, as at OpenAI), the default service
+    tier and verbosity."""
+    if body.store:
+        raise InvalidRequest(
+            "store: chat completions are not stored on this server; /v1/responses stores responses",
+            param="store",
+        )
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise InvalidRequest('modalities: only ["text"] is served', param="modalities")
+    meta = body.metadata
+    if meta is not None and not (
+        isinstance(meta, dict)
+        and len(meta) <= 16
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+    ):
+        raise InvalidRequest(
+            "metadata must be an object of at most 16 string values", param="metadata"
+        )
+    if body.service_tier not in (None, "auto", "default"):
+        raise InvalidRequest(
+            f"service_tier {body.service_tier!r} is not offered; use auto or default "
+            "(X-Priority sets a request's priority here)",
+            param="service_tier",
+        )
+    if body.verbosity not in (None, "medium"):
+        raise InvalidRequest(
+            "verbosity other than medium is not supported (ask for brevity in the prompt)",
+            param="verbosity",
+        )
 
 
 # OpenAI's own bound; the server's --parallel (rows in the batch) caps it further.
@@ -200,6 +242,7 @@ def chat_request(
     reasoning_budget: int = -1,
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(data, ChatCompletionBody)
+    _check_openai_extras(body)
     max_tokens = _first(body.max_completion_tokens, body.max_tokens, body.n_predict)
     if max_tokens is not None and max_tokens < 0:
         max_tokens = None  # llama.cpp's n_predict -1: until end of sequence or context

@@ -21,7 +21,7 @@ from mlxcel.runtime.errors import (
     NotImplementedRoute,
     ServiceError,
 )
-from mlxcel.runtime.messages import SamplingParams
+from mlxcel.runtime.messages import SamplingParams, Tokenized
 
 bp = Blueprint("ops", __name__)
 
@@ -49,6 +49,19 @@ def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
         ignore_eos=False,
         stream=False,
         cache_prompt=ctx.settings.cache_enabled,
+    )
+
+
+def request_settings(ctx: ServerContext, item: Tokenized) -> dict[str, Any]:
+    gen = item.request
+    return generation_settings(
+        gen.sampling,
+        n_predict=item.max_tokens,
+        stop=gen.stop,
+        ignore_eos=gen.ignore_eos,
+        stream=False,  # not known past the route; llama-server's slots show it
+        cache_prompt=gen.cache_key is not None and ctx.settings.cache_enabled,
+        n_probs=gen.logprobs or 0,
     )
 
 
@@ -131,7 +144,8 @@ async def slots() -> Response:
             "n_ctx": ctx.info.context_length,
             "is_processing": item is not None,
             "id_task": -1,
-            "params": generation_defaults(ctx),
+            # A busy slot shows the settings its request runs with, as llama-server's do.
+            "params": generation_defaults(ctx) if item is None else request_settings(ctx, item),
             "prompt": "",
             "next_token": {"has_next_token": False, "n_remain": -1, "n_decoded": 0},
         }

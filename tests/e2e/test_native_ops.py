@@ -122,6 +122,7 @@ def test_props_and_gates(tiny_server: ServerProcess, tiny_model_dir: Path) -> No
 def test_slots_busy_during_a_stream_and_idle_after_disconnect(tiny_server: ServerProcess) -> None:
     base = tiny_server.base_url
     body = {**CHAT, "max_tokens": 5000, "stream": True, "ignore_eos": True}
+    body |= {"temperature": 0.1, "top_k": 3, "stop": ["zzqx"]}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
         next(lines)
@@ -130,6 +131,15 @@ def test_slots_busy_during_a_stream_and_idle_after_disconnect(tiny_server: Serve
         busy = [s for s in slots if s["is_processing"]]
         assert len(slots) == 4 and len(busy) == 1
         assert busy[0]["next_token"]["n_decoded"] >= 0 and busy[0]["prompt"] == ""
+        # The busy slot shows its request's settings, the idle ones the server's defaults.
+        params = busy[0]["params"]
+        assert params["temperature"] == 0.1 and params["top_k"] == 3
+        # n_predict: the 5000 asked for, capped to the context left after the prompt.
+        ctx_left = busy[0]["n_ctx"] - busy[0]["n_prompt_tokens"]
+        assert params["n_predict"] == min(5000, ctx_left) and params["stop"] == ["zzqx"]
+        assert params["ignore_eos"] is True
+        idle = next(s for s in slots if not s["is_processing"])["params"]
+        assert idle["temperature"] == 0.8 and idle["top_k"] == 40
     deadline = time.monotonic() + 5
     while any(s["is_processing"] for s in httpx.get(f"{base}/slots").json()):
         assert time.monotonic() < deadline, "the slot stayed busy after the client left"

@@ -193,6 +193,42 @@ def test_bad_fields_are_400_naming_the_field(
     assert error["message"]
 
 
+def test_openai_fields_that_ask_for_nothing_are_accepted(openai_client: Any) -> None:
+    """What SDK users and agent frameworks pass along: store=False, text modalities, metadata,
+    the default tier and verbosity (they used to be 400 "Unsupported field")."""
+    r = openai_client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        store=False,
+        modalities=["text"],
+        metadata={"run": "ci"},
+        service_tier="auto",
+        verbosity="medium",
+        safety_identifier="user-1",
+    )
+    assert r.choices[0].message.content is not None and r.usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("store", True),
+        ("modalities", ["text", "audio"]),
+        ("metadata", {"n": 1}),
+        ("service_tier", "flex"),
+        ("verbosity", "low"),
+    ],
+)
+def test_openai_fields_that_ask_for_what_we_do_not_do_are_400_naming_them(
+    tiny_server: ServerProcess, field: str, value: Any
+) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
+    r = httpx.post(f"{tiny_server.base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == field
+
+
 def test_image_part_message_says_image_input_is_not_supported(tiny_server: ServerProcess) -> None:
     content = [
         {"type": "text", "text": "what is this"},
