@@ -18,12 +18,18 @@ Peer, measured in the same run on the same server while idle: the same cascade a
 would do without the WebSocket, over HTTP, one question at a time -- transcription, a
 streamed chat completion up to its first sentence, then /v1/audio/speech up to its first
 audio byte. Ratio = realtime median / that peer median.
+
+Floor, also measured idle in the same run: what the machine allows at best. The model step
+with one row per session decoding, times the tokens of each answer's first spoken piece (cut
+as the server cuts it), plus the speech model's first audio for a 5-word piece. It leaves out
+transcription, the joining turn's prompt pass and every other session's CPU: a lower bound.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
 import subprocess
@@ -33,6 +39,7 @@ import wave
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import numpy as np
 import trio
@@ -40,6 +47,7 @@ import trio
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from mlxcel.actors.realtime.sentences import SentenceSplitter  # noqa: E402 - after sys.path
 from tests.support.realtime import connect, frames, silence, spoken  # noqa: E402 - after sys.path
 
 QUESTIONS = [
@@ -105,8 +113,6 @@ def peer_once(base: str, pcm: np.ndarray, max_tokens: int) -> float:
             ],
         }
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
-            import json
-
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -130,6 +136,76 @@ def peer_once(base: str, pcm: np.ndarray, max_tokens: int) -> float:
     return float("nan")
 
 
+# The floor: what the machine allows at best, measured on the idle server before the run.
+# A typical first piece (the server speaks an answer's first five words, or its first clause,
+# as soon as they are generated), and a context as long as a voice session's prompt.
+FIRST_PIECE = "The answer to this question"
+FLOOR_CONTEXT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 22)
+
+
+async def _token_times(http: httpx.AsyncClient, prompt: str, tokens: int) -> list[float]:
+    body = {"prompt": prompt, "n_predict": tokens, "ignore_eos": True, "stream": True}
+    times = []
+    async with http.stream("POST", "/completion", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and not json.loads(line[6:]).get("stop"):
+                times.append(time.perf_counter())
+    return times
+
+
+async def decode_step(base: str, rows: int, tokens: int = 24) -> float:
+    """Median seconds per model step with ``rows`` requests decoding together (each streams a
+    token a step): the pace of every answer's first words when that many sessions answer."""
+    gaps: list[float] = []
+    async with httpx.AsyncClient(base_url=base, timeout=300) as http:
+
+        async def one(i: int) -> None:
+            t = await _token_times(http, f"{i}. {FLOOR_CONTEXT}", tokens)
+            # From the 8th token on, every row has joined: steady batch steps.
+            gaps.extend(b - a for a, b in zip(t[8:], t[9:], strict=False))
+
+        async with trio.open_nursery() as n:
+            for i in range(rows):
+                n.start_soon(one, i)
+    return median(gaps)
+
+
+def first_piece_audio(base: str, runs: int = 3) -> float:
+    """Seconds to the first audio byte of a typical first piece, idle."""
+    out = []
+    with httpx.Client(base_url=base, timeout=300) as http:
+        for i in range(runs + 1):
+            t0 = time.perf_counter()
+            body = {"model": "tts-1", "input": FIRST_PIECE, "response_format": "pcm"}
+            with http.stream("POST", "/v1/audio/speech", json=body) as r:
+                for chunk in r.iter_bytes():
+                    if chunk:
+                        break
+            if i:  # the first run warms up
+                out.append(time.perf_counter() - t0)
+    return median(out)
+
+
+def first_piece_tokens(base: str, answers: list[str]) -> list[int]:
+    """Tokens in each answer's first spoken piece, cut as the server cuts it."""
+    counts = []
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for text in answers:
+            split = SentenceSplitter()
+            pieces = split.feed(text + " ")
+            piece = pieces[0] if pieces else split.flush()
+            if piece:
+                counts.append(len(http.post("/tokenize", json={"content": piece}).json()["tokens"]))
+    return counts
+
+
+@attrs.define
+class Floor:
+    step: float  # seconds per model step with one row per session decoding
+    speech: float  # seconds to the first audio of a first piece
+    piece_tokens: list[int] = attrs.Factory(list)
+
+
 class Session:
     def __init__(self, index: int) -> None:
         self.index = index
@@ -151,6 +227,9 @@ class Session:
         self.stalls: list[float] = []  # seconds of gap per answer that sent audio
         self._play_at: float | None = None  # when the next delta's audio is due to play
         self._stall = 0.0
+        # Each answer's text (for the floor: how many tokens its first spoken piece took).
+        self.answers: list[str] = []
+        self._text = ""
 
     async def run(self, base: str, args: argparse.Namespace, start_at: float) -> None:
         await trio.sleep_until(start_at)
@@ -228,6 +307,7 @@ class Session:
                 self._marks.setdefault("transcript", now)
             elif kind == "response.text.delta":
                 self._marks.setdefault("text", now)
+                self._text += event.get("delta", "")
             if kind == "response.audio.delta":
                 seconds = len(event["delta"]) * 3 / 4 / 2 / OUTPUT_RATE
                 if self._play_at is None:
@@ -236,9 +316,13 @@ class Session:
                     self._stall += now - self._play_at
                     self._play_at = now
                 self._play_at += seconds
-            elif kind in ("response.done", "response.cancelled") and self._play_at is not None:
-                self.stalls.append(self._stall)
-                self._play_at = None
+            elif kind in ("response.done", "response.cancelled"):
+                if self._text:
+                    self.answers.append(self._text)
+                    self._text = ""
+                if self._play_at is not None:
+                    self.stalls.append(self._stall)
+                    self._play_at = None
             if kind == "response.audio.delta" and self._awaiting_audio:
                 self.first_audio[-1] = now
                 self._awaiting_audio = False
@@ -277,7 +361,9 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def report(sessions: list[Session], peer: list[float], args: argparse.Namespace) -> None:
+def report(
+    sessions: list[Session], peer: list[float], floor: Floor, args: argparse.Namespace
+) -> None:
     from_speech: list[float] = []
     from_stop: list[float] = []
     server_lag: list[tuple[float, float]] = []
@@ -355,6 +441,18 @@ def report(sessions: list[Session], peer: list[float], args: argparse.Namespace)
             f"answer playback: {gapped} of {len(stalls)} answers had gaps (audio late for its "
             f"turn to play), total {sum(stalls):.1f} s, worst {max(stalls):.2f} s"
         )
+    tokens = [t for t in floor.piece_tokens if t]
+    if tokens:
+        k = statistics.median(tokens)
+        best = k * floor.step + floor.speech
+        print(
+            f"floor (what this machine allows at best, measured idle in this run): the first "
+            f"piece's median {k:g} tokens x {floor.step * 1000:.0f} ms a step with "
+            f"{args.sessions} rows decoding + {floor.speech:.2f} s to the first audio of a "
+            f"5-word piece = {best:.2f} s (leaves out transcription, the prompt pass of a "
+            f"joining turn, and every other session's CPU); ratio speech_stopped median/floor: "
+            f"{pct(from_stop, 0.5) / best:.2f}x"
+        )
     print(f"errors: {errors or 'none'}")
 
 
@@ -389,8 +487,10 @@ def main() -> None:
             secs = peer_once(base, spoken(QUESTIONS[i % len(QUESTIONS)]), args.max_tokens)
             if i:  # the first run loads the models
                 peer.append(secs)
+        floor = Floor(trio.run(decode_step, base, args.sessions), first_piece_audio(base))
         sessions = trio.run(run_sessions, base, args)
-        report(sessions, peer, args)
+        floor.piece_tokens = first_piece_tokens(base, [a for s in sessions for a in s.answers])
+        report(sessions, peer, floor, args)
     finally:
         if proc is not None:
             proc.terminate()
