@@ -113,8 +113,16 @@ def parse_body(data: Any) -> ResponsesBody:
         for value in body.include:
             if value not in INCLUDES:
                 raise UnsupportedField("include", f"'{value}' is not available on this server")
-    if body.stream_options is not None and not isinstance(body.stream_options, dict):
+    options = body.stream_options
+    if options is not None and not isinstance(options, dict):
         raise InvalidRequest("stream_options must be an object", param="stream_options")
+    # OpenAI's one option: our events carry no obfuscation padding, asked for or not.
+    for key, value in (options or {}).items():
+        if key != "include_obfuscation" or not isinstance(value, bool):
+            raise InvalidRequest(
+                "stream_options takes include_obfuscation (a boolean)",
+                param=f"stream_options.{key}",
+            )
     return body
 
 
@@ -304,6 +312,9 @@ def _arguments(text: str) -> object:
 # --- tools and output format -------------------------------------------------------------------
 
 
+FUNCTION_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+
+
 def template_tools(value: Any) -> tuple[dict[str, object], ...] | None:
     """Responses function tools ({type, name, parameters}) -> the chat template's shape."""
     if value is None:
@@ -323,6 +334,11 @@ def template_tools(value: Any) -> tuple[dict[str, object], ...] | None:
             )
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise InvalidRequest("a function tool needs a name", param=f"tools[{i}].name")
+        for key in sorted(set(tool) - FUNCTION_TOOL_KEYS):
+            raise InvalidRequest(
+                f"a function tool takes {', '.join(sorted(FUNCTION_TOOL_KEYS))}",
+                param=f"tools[{i}].{key}",
+            )
         params = tool.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise InvalidRequest("parameters must be a JSON schema", param=f"tools[{i}].parameters")
@@ -361,6 +377,12 @@ def output_format(value: Any) -> Constraint | None:
         return None
     if not isinstance(value, dict) or set(value) - {"format", "verbosity"}:
         raise InvalidRequest("text takes format (and verbosity)", param="text")
+    if value.get("verbosity") not in (None, "medium"):
+        raise InvalidRequest(
+            "text.verbosity other than medium is not supported (ask for brevity in the "
+            "instructions)",
+            param="text.verbosity",
+        )
     fmt = value.get("format")
     if fmt is None:
         return None

@@ -112,6 +112,14 @@ def test_request_fields_map_onto_the_generation_request() -> None:
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format"),
+        # Fields accepted before and then left unused: each is a 400 naming it now.
+        ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"input": "x", "stream": True, "stream_options": {"foo": 1}}, "stream_options.foo"),
+        (
+            {"input": "x", "stream_options": {"include_obfuscation": "no"}},
+            "stream_options.include_obfuscation",
+        ),
+        ({"input": "x", "tools": [{**TOOL, "cache_control": {}}]}, "tools[0].cache_control"),
     ],
 )
 def test_bad_fields_are_named(body: dict[str, object], param: str) -> None:
@@ -119,3 +127,17 @@ def test_bad_fields_are_named(body: dict[str, object], param: str) -> None:
         parsed = parse_body(body)
         generation_request(parsed, "resp_x", input_items(parsed.input))
     assert error.value.param == param
+
+
+def test_the_openai_defaults_of_those_fields_are_accepted() -> None:
+    body = parse_body(
+        {
+            "input": "x",
+            "text": {"verbosity": "medium"},
+            "stream": True,
+            "stream_options": {"include_obfuscation": False},
+            "tools": [{**TOOL, "strict": True}],
+        }
+    )
+    gen = generation_request(body, "resp_y", input_items(body.input))
+    assert gen.prompt.tools is not None
