@@ -112,6 +112,8 @@ def parse_inputs(value: Any, info: EmbedderInfo, key: str = "input") -> tuple[Em
     out: list[EmbedInput] = []
     for i, item in enumerate(items):
         where = f"{key}[{i}]" if len(items) > 1 or not isinstance(value, str) else key
+        if isinstance(item, dict):
+            item = _typed_part(item, where, key)
         if isinstance(item, str):
             if not item:
                 raise InvalidRequest(f"'{where}' must not be an empty string", param=key)
@@ -135,6 +137,21 @@ def parse_inputs(value: Any, info: EmbedderInfo, key: str = "input") -> tuple[Em
         else:
             raise InvalidRequest(f"'{where}' must be a string or a list of token ids", param=key)
     return tuple(out)
+
+
+def _typed_part(part: dict[str, Any], where: str, key: str) -> Any:
+    """A multimodal-style input part: ``{type: "text", text}`` is its text; an image part is
+    refused, since the embedders served here read text."""
+    kind = part.get("type")
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in ("image_url", "image", "input_image"):
+        raise InvalidRequest(
+            f"'{where}': image input is not supported: this embedder reads text", param=key
+        )
+    raise InvalidRequest(
+        f"'{where}' must be a string, token ids or {{type: text, text}}", param=key
+    )
 
 
 def _is_int(value: Any) -> bool:

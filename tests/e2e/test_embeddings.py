@@ -90,6 +90,8 @@ def test_token_ids_and_dimensions(side_server: ServerProcess) -> None:
     text = httpx.post(url, json={"input": "hello world"}).json()
     ids = httpx.post(url, json={"input": [[101, 7592, 2088, 102]]}).json()
     np.testing.assert_allclose(text["data"][0]["embedding"], ids["data"][0]["embedding"], atol=1e-5)
+    typed = httpx.post(url, json={"input": [{"type": "text", "text": "hello world"}]}).json()
+    np.testing.assert_allclose(text["data"][0]["embedding"], typed["data"][0]["embedding"])
     short = httpx.post(url, json={"input": "hello world", "dimensions": 8}).json()["data"][0][
         "embedding"
     ]

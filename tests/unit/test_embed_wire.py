@@ -28,6 +28,8 @@ def test_every_input_shape_is_accepted() -> None:
     assert parse_inputs([1, 2, 3], INFO) == ((1, 2, 3),)
     assert parse_inputs([[1, 2], [3]], INFO) == ((1, 2), (3,))
     assert parse_inputs(["a", [5]], INFO) == ("a", (5,))
+    # The typed text parts of the contract's multimodal shape.
+    assert parse_inputs([{"type": "text", "text": "a"}, "b"], INFO) == ("a", "b")
 
 
 @pytest.mark.parametrize(
@@ -43,6 +45,9 @@ def test_every_input_shape_is_accepted() -> None:
         ([1] * 9, "at most 8"),
         ({"text": "a"}, "must be a string"),
         ([True], "must be a string or a list of token ids"),
+        ([{"type": "image_url", "image_url": {"url": "x"}}], "image input is not supported"),
+        ([{"type": "text"}], "{type: text, text}"),
+        ([{"type": "text", "text": ""}], "empty string"),
     ],
 )
 def test_bad_inputs_are_400_naming_the_field(value: object, needle: str) -> None:
