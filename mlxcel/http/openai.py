@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -252,17 +253,22 @@ async def models() -> Response:
     ctx = server()
     if "anthropic-version" in request.headers and ctx.generation:
         return _json(model_page(ctx.model_id, ctx.created, ctx.info.context_length))
+    info = ctx.info
+    # llama-server's entry: created is the time of the request, and owned_by is its own.
     entry = {
         "id": ctx.model_id,
+        "aliases": sorted(ctx.accepted_names - {ctx.model_id}),
+        "tags": [],
         "object": "model",
-        "created": ctx.created,
-        "owned_by": "mlxcel",
-        "meta": {"n_ctx": ctx.info.context_length, "description": ctx.info.description},
+        "created": int(time.time()),
+        "owned_by": "llamacpp",
+        "meta": {**info.meta, "n_ctx": info.context_length, "description": info.description},
     }
     ollama: dict[str, object] = {
         "name": ctx.model_id,
         "model": ctx.model_id,
         "capabilities": ["completion"],
+        "details": {"format": weights_format(info.path)},
     }
     entry["capabilities"] = ollama["capabilities"]
     # Embedder / reranker entries follow; without a chat model only they are listed.
@@ -274,6 +280,11 @@ async def models() -> Response:
         for e in data[len(listed) :]
     ]
     return _json({"object": "list", "data": data, "models": listed})
+
+
+def weights_format(path: Path | None) -> str:
+    """Ollama's ``details.format``: what the weights were read from."""
+    return "gguf" if path is not None and path.suffix == ".gguf" else "safetensors"
 
 
 def _json(obj: object, status: int = 200) -> Response:

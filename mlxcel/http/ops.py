@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -90,6 +91,62 @@ def generation_settings(
     }
 
 
+@functools.lru_cache(maxsize=4)
+def template_caps(tokenizer: Any, template: str | None) -> dict[str, bool]:
+    """llama-server's ``chat_template_caps``, found as it finds them: by rendering probe
+    conversations with the template and looking for what came through."""
+    caps = dict.fromkeys(
+        (
+            "supports_system_role",
+            "supports_tools",
+            "supports_tool_calls",
+            "supports_tool_responses",
+            "supports_parallel_tool_calls",
+        ),
+        False,
+    )
+    if not template:
+        return caps
+
+    def render(messages: list[dict[str, Any]], **kw: Any) -> str:
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, chat_template=template, **kw
+            )
+        except Exception:  # a template raises what it likes for what it refuses
+            return ""
+        return text if isinstance(text, str) else ""
+
+    user: dict[str, Any] = {"role": "user", "content": "hi"}
+    fn = {"name": "probe_tool_fn", "description": "d", "parameters": {"type": "object"}}
+    call: dict[str, Any] = {
+        "id": "call_probe",
+        "type": "function",
+        "function": {"name": "probe_call_fn", "arguments": {"a": 1}},
+    }
+    second: dict[str, Any] = {
+        "id": "call_probe2",
+        "type": "function",
+        "function": {"name": "probe_call_two", "arguments": {"b": 2}},
+    }
+    turns: list[dict[str, Any]] = [
+        user,
+        {"role": "assistant", "content": None, "tool_calls": [call, second]},
+        {"role": "tool", "tool_call_id": "call_probe", "content": "TOOL_RESULT_PROBE"},
+    ]
+    with_calls = render(turns)
+    caps["supports_system_role"] = "SYSTEM_PROBE" in render(
+        [{"role": "system", "content": "SYSTEM_PROBE"}, user]
+    )
+    caps["supports_tools"] = "probe_tool_fn" in render(
+        [user], tools=[{"type": "function", "function": fn}]
+    )
+    caps["supports_tool_calls"] = "probe_call_fn" in with_calls
+    caps["supports_tool_responses"] = "TOOL_RESULT_PROBE" in with_calls
+    caps["supports_parallel_tool_calls"] = "probe_call_two" in with_calls
+    return caps
+
+
 @bp.get("/props")
 async def props() -> Response:
     ctx = server()
@@ -104,11 +161,24 @@ async def props() -> Response:
             "total_slots": ctx.settings.parallel,
             "model_alias": ctx.model_id,
             "model_path": str(ctx.info.path) if ctx.info.path else "",
+            "model_ftype": ctx.info.meta.get("ftype", ""),
             "chat_template": ctx.info.chat_template or "",
+            "chat_template_caps": template_caps(tok, ctx.info.chat_template),
             "bos_token": getattr(tok, "bos_token", None) or "",
             "eos_token": getattr(tok, "eos_token", None) or "",
-            "modalities": {"vision": False, "audio": False},
-            "build_info": f"mlxcel {__version__}",
+            # What the chat model reads (text only); the audio routes are in capabilities.
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "build_info": f"mlxcel-{__version__}",
+            # The KV cache is kept in the model's own precision: no KV quantisation here.
+            "kv_cache_mode": "full",
+            "kv_bits": None,
+            "speculative": {"model": None, "kind": None, "n_max": 0},
+            "geometry": {
+                "n_batch": ctx.settings.prefill_chunk_size,
+                "n_ubatch": ctx.settings.prefill_chunk_size,
+                "n_batch_decode": ctx.settings.parallel,
+                "n_kv_max": ctx.info.context_length,
+            },
             "endpoint_slots": ctx.settings.slots_endpoint,
             "endpoint_props": ctx.settings.props_endpoint,
             "endpoint_metrics": ctx.settings.metrics_endpoint,

@@ -10,7 +10,7 @@ call ``load_model`` on the thread that will own the model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -26,7 +26,7 @@ from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
 
-__all__ = ["DTYPES", "LoadedModel", "load_model", "release_thread_streams"]
+__all__ = ["DTYPES", "LoadedModel", "load_model", "model_meta", "release_thread_streams"]
 
 DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -109,6 +109,36 @@ def load_model(
         quantized=_is_quantized(model),
         config=config,
     )
+
+
+# llama.cpp's vocabulary kinds, by the tokenizers model a transformers tokenizer runs.
+_VOCAB_TYPES = {"BPE": 2, "WordPiece": 3, "Unigram": 4}
+_FTYPES = {"float32": "MLX F32", "float16": "MLX F16", "bfloat16": "MLX BF16"}
+
+
+def model_meta(loaded: LoadedModel) -> dict[str, Any]:
+    """What llama-server's `/v1/models` says of a model, from the loaded weights and config."""
+    from mlx.utils import tree_flatten
+
+    weights = cast(list[tuple[str, mx.array]], tree_flatten(loaded.model.parameters()))
+    size = sum(int(w.nbytes) for _, w in weights)
+    quant = _config_value(loaded.config, "quantization")
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    ftype = f"MLX Q{bits}" if loaded.quantized and bits else _FTYPES.get(loaded.dtype, "MLX")
+    try:
+        kind = loaded.tokenizer.backend_tokenizer.model.__class__.__name__
+    except AttributeError:  # a slow (pure Python) tokenizer: llama.cpp's "none"
+        kind = ""
+    embd = _config_value(loaded.config, "hidden_size") or _config_value(loaded.config, "d_model")
+    return {
+        "vocab_type": _VOCAB_TYPES.get(kind, 0),
+        "n_vocab": loaded.vocab_size,
+        "n_ctx_train": loaded.context_length,
+        "n_embd": int(embd) if isinstance(embd, int) else 0,
+        "n_params": loaded.n_params,
+        "size": size,
+        "ftype": ftype,
+    }
 
 
 def _quantized_classes() -> tuple[type[Module], ...]:

@@ -109,14 +109,40 @@ def test_props_and_gates(tiny_server: ServerProcess, tiny_model_dir: Path) -> No
     assert props["model_alias"] == tiny_model_dir.name
     assert props["model_path"] == str(tiny_model_dir)
     assert "<|im_start|>" in props["chat_template"]
-    assert props["modalities"] == {"vision": False, "audio": False}
+    assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert props["default_generation_settings"]["n_ctx"] == 4096
-    assert props["build_info"].startswith("mlxcel")
+    assert props["build_info"].startswith("mlxcel-")
+    assert props["model_ftype"] == "MLX F32"
+    # The tiny model's ChatML template takes a system turn and has no tool syntax.
+    caps = props["chat_template_caps"]
+    assert caps["supports_system_role"] is True and caps["supports_tools"] is False
+    assert props["geometry"]["n_batch_decode"] == 4 and props["geometry"]["n_kv_max"] == 4096
+    assert props["kv_cache_mode"] == "full" and props["speculative"]["n_max"] == 0
     for method, path, flag in (("POST", "/props", "--props"), ("GET", "/metrics", "--metrics")):
         r = httpx.request(method, f"{tiny_server.base_url}{path}")
         assert r.status_code == 501
         error = r.json()["error"]
         assert set(error) == {"code", "message", "type"} and flag in error["message"]
+
+
+def test_models_list_has_llama_servers_meta(
+    tiny_server: ServerProcess, tiny_model_dir: Path
+) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    before = time.time()
+    listing = httpx.get(f"{tiny_server.base_url}/v1/models").json()
+    entry = listing["data"][0]
+    assert entry["owned_by"] == "llamacpp" and "default" in entry["aliases"]
+    assert entry["tags"] == [] and before - 1 <= entry["created"] <= time.time() + 1
+    meta = entry["meta"]
+    tok = httpx.post(f"{tiny_server.base_url}/tokenize", json={"content": "hello"}).json()
+    assert tok["tokens"] and all(t < meta["n_vocab"] for t in tok["tokens"])
+    assert meta["n_ctx_train"] == config["max_position_embeddings"] and meta["n_ctx"] == 4096
+    assert meta["n_embd"] == config["hidden_size"] and meta["vocab_type"] == 2  # BPE
+    # float32 weights: four bytes a parameter.
+    assert meta["n_params"] > 0 and meta["size"] == 4 * meta["n_params"]
+    assert meta["ftype"] == "MLX F32"
+    assert listing["models"][0]["details"]["format"] == "safetensors"
 
 
 def test_slots_busy_during_a_stream_and_idle_after_disconnect(tiny_server: ServerProcess) -> None:

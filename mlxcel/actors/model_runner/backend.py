@@ -22,6 +22,9 @@ class ModelInfo:
     context_length: int
     chat_template: str | None
     description: str = ""
+    # llama-server's `/v1/models` meta for the model (vocab_type, n_vocab, n_ctx_train,
+    # n_embd, n_params, size) and its ftype ("MLX F32", "MLX Q4", ...); empty when unknown.
+    meta: dict[str, Any] = attrs.field(factory=dict)
 
 
 class Backend(Protocol):

@@ -23,7 +23,7 @@ from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
 from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.models.loader import LoadedModel, release_thread_streams
+from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
     InsertSequence,
@@ -62,6 +62,7 @@ class MlxBackend:
             context_length=ctx,
             chat_template=loaded.chat_template,
             description=f"{loaded.model_id} ({loaded.dtype})",
+            meta=model_meta(loaded),
         )
         batch_cache.install()
         # Rows reading a prompt for a request with more choices to fork once it is read.
