@@ -176,7 +176,7 @@ class Scheduler:
             self.cache_stats = output.cache
         for rid, n in output.cached:
             if (item := self._state.running.get(rid)) is not None:
-                item.slot.cached_tokens = n
+                item.slot.placed(n)
         prefill = 0
         for p in output.prefill:
             prefill += p.done - self._prefilled.get(p.request_id, 0)

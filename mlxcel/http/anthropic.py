@@ -114,13 +114,9 @@ def _stream(
     blocks = BlockStream(req.thinking)
 
     def start() -> bytes:
-        # The prompt is tokenized before the stream opens, so input_tokens is already real.
-        counts = {
-            "input_tokens": slot.prompt_tokens,
-            "output_tokens": 0,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0,
-        }
+        # Sent once the request is in the batch: the prompt cache's share is known then, so
+        # message_start splits input_tokens and cache_read_input_tokens as message_delta does.
+        counts = {**usage(slot), "output_tokens": 0}
         started = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
         return sse.event(
             "message_start", {"type": "message_start", "message": {**started, "usage": counts}}
@@ -128,6 +124,8 @@ def _stream(
 
     async def body() -> AsyncIterator[bytes]:
         try:
+            while not await slot.wait_placed(ping):
+                yield PING  # queued behind a full batch: keep the connection alive
             yield start()
             while True:
                 try:

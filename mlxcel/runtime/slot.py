@@ -140,6 +140,8 @@ class OutputSlot:
         self._on_close = on_close
         self._wake = trio.Event()
         self._accepted = trio.Event()
+        # Set once cached_tokens is known (the request joined the batch), or it never will be.
+        self._placed = trio.Event()
         self._choices = [_Choice() for _ in range(n)]
         self._error: MlxcelError | None = None
         self._delivered_finish = False
@@ -179,9 +181,15 @@ class OutputSlot:
         self.prompt_tokens = prompt_tokens
         self._accepted.set()
 
+    def placed(self, cached_tokens: int) -> None:
+        """The request joined the batch, with this many prompt tokens from the prompt cache."""
+        self.cached_tokens = cached_tokens
+        self._placed.set()
+
     def push(
         self, text: str, n_tokens: int, logprob: TokenLogprob | None = None, *, choice: int = 0
     ) -> None:
+        self._placed.set()  # a backend that reports no cache lookup: none was made
         if self.first_token_at is None and n_tokens:
             self.first_token_at = time.monotonic()
         c = self._choices[choice]
@@ -205,6 +213,7 @@ class OutputSlot:
     def finish(
         self, reason: FinishReason, stop_word: str | None = None, *, choice: int = 0
     ) -> None:
+        self._placed.set()
         c = self._choices[choice]
         if c.finish is None:
             c.finish = reason
@@ -217,6 +226,7 @@ class OutputSlot:
         if self._error is None and not self._finished:
             self._error = error
         self._accepted.set()
+        self._placed.set()
         self._wake.set()
 
     @property
@@ -234,6 +244,15 @@ class OutputSlot:
         if self._error is not None:
             raise self._error
         return self.prompt_tokens
+
+    async def wait_placed(self, timeout: float) -> bool:  # noqa: ASYNC109 - False: ping due
+        """Wait until ``cached_tokens`` is known (or the request ended); False on timeout.
+
+        Cancellation: as ``wait_accepted``.
+        """
+        with trio.move_on_after(timeout):
+            await self._placed.wait()
+        return self._placed.is_set()
 
     async def next_choices(
         self,

@@ -136,9 +136,17 @@ def test_stream_event_order_and_accumulator(
     events = raw_events(f"{tiny_server.base_url}/v1/messages", {**kw, **GREEDY})
     check_event_order(events)
     assert [n for n, _ in events if n != "ping"][:2] == ["message_start", "content_block_start"]
-    start = events[0][1]["message"]
-    assert start["usage"]["input_tokens"] > 5 and start["content"] == []
+    start = next(d for n, d in events if n == "message_start")["message"]
+    assert start["content"] == []
     assert events[-2][1]["usage"]["output_tokens"] == whole.usage.output_tokens
+    # message_start and message_delta split the prompt the same way: read now, and found in
+    # the prompt cache (most of it here: the same prompt ran just before).
+    begun, ended = start["usage"], events[-2][1]["usage"]
+    for key in ("input_tokens", "cache_read_input_tokens"):
+        assert begun[key] == ended[key], key
+    prompt = whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)
+    assert begun["input_tokens"] + begun["cache_read_input_tokens"] == prompt > 5
+    assert begun["cache_read_input_tokens"] > 0
     # The alias serves the same stream.
     alias = raw_events(f"{tiny_server.base_url}/messages", {**kw, **GREEDY})
     texts = [
@@ -375,23 +383,21 @@ def test_full_queue_is_503_overloaded_and_the_waiting_stream_pings(
     ):
         with a.stream("POST", url, json=long) as running:
             running_lines = running.iter_lines()  # keep a reference: dropping it disconnects
-            assert next(running_lines) == "event: message_start"
+            events = (x for x in running_lines if x.startswith("event: ") and x != "event: ping")
+            assert next(events) == "event: message_start"
             with b.stream("POST", url, json=long) as queued:
                 assert queued.status_code == 200
                 queued_lines = queued.iter_lines()
-                assert next(queued_lines) == "event: message_start"
                 with pytest.raises(anthropic.ServiceUnavailableError) as e:
                     tools_client.messages.create(model="default", max_tokens=2, messages=USER)
                 assert e.value.status_code == 503
                 assert isinstance(e.value.body, dict)
                 assert e.value.body["type"] == "error"
                 assert e.value.body["error"]["type"] == "overloaded_error"
-                # The queued request waits for the slot; its stream stays alive with pings.
-                for line in queued_lines:
-                    if line.startswith("event: ") and line != "event: message_start":
-                        assert line == "event: ping"
-                        assert next(queued_lines) == 'data: {"type":"ping"}'
-                        break
+                # The queued request waits for the slot; its stream stays alive with pings, and
+                # its message_start (whose usage needs the prompt cache's share) waits too.
+                assert next(queued_lines) == "event: ping"
+                assert next(queued_lines) == 'data: {"type":"ping"}'
     # Both disconnected: the slot is free again.
     wait_idle(tool_server)
     r = tools_client.messages.create(model="default", max_tokens=2, messages=USER)
