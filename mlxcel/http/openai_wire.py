@@ -231,8 +231,16 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
 PLAIN_SAMPLING = SamplingParams()
 
 
-def _first(*values: int | None) -> int | None:
-    return next((v for v in values if v is not None), None)
+def _length(body: Any, names: tuple[str, ...]) -> int | None:
+    """The first of these length fields given; -1 is llama.cpp's "until end of sequence or
+    context" (None), another negative a 400 naming the field."""
+    for name in names:
+        value = getattr(body, name)
+        if value is not None:
+            if value < -1:
+                raise InvalidRequest(f"{name} must be at least 1, or -1 for no limit", param=name)
+            return None if value == -1 else int(value)
+    return None
 
 
 def chat_request(
@@ -243,9 +251,7 @@ def chat_request(
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(data, ChatCompletionBody)
     _check_openai_extras(body)
-    max_tokens = _first(body.max_completion_tokens, body.max_tokens, body.n_predict)
-    if max_tokens is not None and max_tokens < 0:
-        max_tokens = None  # llama.cpp's n_predict -1: until end of sequence or context
+    max_tokens = _length(body, ("max_completion_tokens", "max_tokens", "n_predict"))
     tools, parse_tools, forced = _tools(body)
     constraint = structured_wire.combine(
         structured_wire.response_format(body.response_format), forced
@@ -346,9 +352,7 @@ def completion_request(
     data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
 ) -> tuple[CompletionBody, GenerationRequest]:
     body = structure(data, CompletionBody)
-    max_tokens = _first(body.max_tokens, body.n_predict)
-    if max_tokens is not None and max_tokens < 0:
-        max_tokens = None
+    max_tokens = _length(body, ("max_tokens", "n_predict"))
     request = GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=_prompt(body.prompt),

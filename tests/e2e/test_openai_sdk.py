@@ -163,6 +163,9 @@ def test_stop_string_is_cut(openai_client: openai.OpenAI) -> None:
         ({"messages": MESSAGES, "temperature": -1}, "temperature"),
         ({"messages": MESSAGES, "top_p": 1.5}, "top_p"),
         ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        # -1 is llama.cpp's "no limit"; another negative used to mean the same, silently.
+        ({"messages": MESSAGES, "max_tokens": -5}, "max_tokens"),
+        ({"messages": MESSAGES, "max_completion_tokens": -2}, "max_completion_tokens"),
         ({"messages": MESSAGES, "seed": -5}, "seed"),
         ({"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
         ({"messages": MESSAGES, "n": 5}, "n"),

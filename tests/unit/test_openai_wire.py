@@ -1,0 +1,29 @@
+"""Length fields of the OpenAI routes: -1 is llama.cpp's "no limit", other negatives a 400."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel.http.openai_wire import chat_request, completion_request
+from mlxcel.runtime.errors import InvalidRequest
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "n_predict"])
+def test_minus_one_is_no_limit_and_other_negatives_are_named(field: str) -> None:
+    _, gen = chat_request({"messages": MESSAGES, field: -1})
+    assert gen.max_tokens is None
+    _, gen = chat_request({"messages": MESSAGES, field: 7})
+    assert gen.max_tokens == 7
+    with pytest.raises(InvalidRequest) as error:
+        chat_request({"messages": MESSAGES, field: -3})
+    assert error.value.param == field
+
+
+def test_legacy_completions_read_the_same_way() -> None:
+    _, gen = completion_request({"prompt": "a", "max_tokens": -1})
+    assert gen.max_tokens is None
+    with pytest.raises(InvalidRequest) as error:
+        completion_request({"prompt": "a", "n_predict": -9})
+    assert error.value.param == "n_predict"
