@@ -313,6 +313,27 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="default thinking budget in tokens: -1 unlimited, 0 no thinking, N cap",
     )
     opt(
+        "--reasoning-format",
+        env="LLAMA_ARG_THINK",
+        default=d.reasoning_format,
+        choices=["auto", "deepseek", "none"],
+        help="where thinking goes: auto/deepseek split it into reasoning_content; none leaves "
+        "the raw output (markers included) in content",
+    )
+    opt(
+        "--reasoning-alias-field",
+        env="MLXCEL_REASONING_ALIAS_FIELD",
+        default=d.reasoning_alias_field,
+        choices=["reasoning", "none"],
+        help="the OpenRouter-style `reasoning` copy of reasoning_content in chat (none: left out)",
+    )
+    p.add_argument(
+        "--skip-chat-parsing",
+        action="store_true",
+        default=d.skip_chat_parsing,
+        help="no reasoning split and no tool-call parsing: the raw output is the content",
+    )
+    opt(
         "--stt-model",
         env="MLXCEL_STT_MODEL",
         default=d.stt_model,
@@ -613,6 +634,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         conversation_store_max_bytes=args.conversation_store_max_bytes,
         conversation_store_ttl_secs=args.conversation_store_ttl_secs,
         reasoning_budget=args.reasoning_budget,
+        reasoning_format=args.reasoning_format,
+        reasoning_alias_field=args.reasoning_alias_field,
+        skip_chat_parsing=args.skip_chat_parsing,
         audio=args.audio,
         stt_model=args.stt_model,
         tts_model=args.tts_model,

@@ -108,6 +108,13 @@ async def serve(
         # Output formats are read off the chat template (and special tokens) once, here.
         tool_format = detect_tools(info.chat_template, info.tokenizer.get_vocab())
         reasoning = detect_reasoning(info.chat_template)
+        # What the streamer takes out of the text: --reasoning-format none keeps thinking in
+        # it, --skip-chat-parsing keeps everything (the prompt side, tools rendered and
+        # thinking budgets, is unchanged).
+        split_reasoning = None if settings.reasoning_format == "none" else reasoning
+        parse_calls = tool_format
+        if settings.skip_chat_parsing:
+            split_reasoning = parse_calls = None
         await root.start(
             Streamer(
                 info.tokenizer,
@@ -115,8 +122,8 @@ async def serve(
                 stream_rx,
                 aborts,
                 metrics,
-                reasoning=reasoning,
-                tool_format=tool_format,
+                reasoning=split_reasoning,
+                tool_format=parse_calls,
             ).run
         )
         scheduler = Scheduler(

@@ -36,13 +36,15 @@ class Collected:
             self.finish_reason = update.finish_reason
 
 
-def message(c: Collected) -> dict[str, Any]:
+def message(c: Collected, alias: bool = True) -> dict[str, Any]:
     _, calls = collect(c.tool_events)
     text = "".join(c.text)
     msg: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
     reasoning = "".join(c.reasoning)
     if reasoning:
-        msg["reasoning_content"] = msg["reasoning"] = reasoning
+        msg["reasoning_content"] = reasoning
+        if alias:  # --reasoning-alias-field reasoning (the default)
+            msg["reasoning"] = reasoning
     if calls:
         msg["tool_calls"] = [
             {
@@ -55,7 +57,9 @@ def message(c: Collected) -> dict[str, Any]:
     return msg
 
 
-def stream_choices(update: SlotUpdate, tok: Any, wants_logprobs: bool) -> list[dict[str, Any]]:
+def stream_choices(
+    update: SlotUpdate, tok: Any, wants_logprobs: bool, alias: bool = True
+) -> list[dict[str, Any]]:
     """The delta choices for one slot update: reasoning, then content, then tool calls."""
     out: list[dict[str, Any]] = []
 
@@ -66,7 +70,10 @@ def stream_choices(update: SlotUpdate, tok: Any, wants_logprobs: bool) -> list[d
         )
 
     if update.reasoning:
-        choice({"reasoning_content": update.reasoning, "reasoning": update.reasoning})
+        delta = {"reasoning_content": update.reasoning}
+        if alias:
+            delta["reasoning"] = update.reasoning
+        choice(delta)
     if update.text or (update.logprobs and not update.tool_events):
         choice({"content": update.text}, update.logprobs)
     for event in update.tool_events:

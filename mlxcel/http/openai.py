@@ -164,6 +164,7 @@ async def chat_completions() -> Response:
     base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}
     tok = ctx.info.tokenizer
     wants_logprobs = gen.logprobs is not None
+    alias = ctx.settings.reasoning_alias_field != "none"
     if body.stream:
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
 
@@ -180,7 +181,7 @@ async def chat_completions() -> Response:
             ctx,
             slot,
             base,
-            lambda u: stream_choices(u, tok, wants_logprobs),
+            lambda u: stream_choices(u, tok, wants_logprobs, alias),
             finish_choice,
             first,
             body.stream_options,
@@ -188,7 +189,7 @@ async def chat_completions() -> Response:
     choices = [
         {
             "index": i,
-            "message": message(c),
+            "message": message(c, alias),
             "logprobs": logprobs.chat(tok, c.logprobs) if wants_logprobs else None,
             "finish_reason": c.finish_reason,
         }

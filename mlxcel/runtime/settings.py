@@ -85,6 +85,14 @@ class Settings:
     conversation_store_ttl_secs: float = 3600.0
     # Default thinking budget for requests that set none: -1 unlimited, 0 none, N tokens.
     reasoning_budget: int = -1
+    # Where thinking goes (llama-server's --reasoning-format): "auto"/"deepseek" split it into
+    # reasoning_content (Anthropic thinking blocks, Responses reasoning items); "none" leaves
+    # the raw output, markers included, in the content.
+    reasoning_format: str = "auto"
+    # llama-server's --skip-chat-parsing: the raw output is the content, tool calls included.
+    skip_chat_parsing: bool = False
+    # The OpenRouter-style `reasoning` copy of `reasoning_content` in chat ("none": left out).
+    reasoning_alias_field: str = "reasoning"
     # Audio workers (speech-to-text, text-to-speech): None = the packaged defaults, "none" = off.
     audio: bool = True
     stt_model: str | None = None

@@ -531,3 +531,43 @@ def test_reasoning_control_belongs_to_the_key_that_armed_it(tmp_path: Path) -> N
         assert any('"content":"' in line and '"content":""' not in line for line in rest)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--reasoning-format", "none"], ["--skip-chat-parsing"], ["--reasoning-alias-field", "none"]],
+)
+def test_reasoning_output_flags(tmp_path: Path, flags: list[str]) -> None:
+    """llama-server's --reasoning-format none and --skip-chat-parsing leave the raw output
+    (the end-of-thinking marker included) in content; --reasoning-alias-field none drops the
+    `reasoning` copy of reasoning_content, streamed or not."""
+    model = build_tiny_model(tmp_path / "qwen3", chat_template=QWEN_THINKING)
+    server = ServerProcess(["-m", str(model), *flags])
+    body = {"messages": ASK, "max_tokens": 30, "seed": 9, "thinking_budget_tokens": 4}
+    try:
+        whole = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        message = whole.json()["choices"][0]["message"]
+        with httpx.stream(
+            "POST",
+            f"{server.base_url}/v1/chat/completions",
+            json={**body, "stream": True},
+            timeout=60,
+        ) as r:
+            deltas = [
+                json.loads(line[6:])["choices"][0]["delta"]
+                for line in r.iter_lines()
+                if line.startswith("data: {") and '"choices": []' not in line
+            ]
+    finally:
+        server.stop()
+    streamed = "".join(d.get("content") or "" for d in deltas)
+    if flags[0] == "--reasoning-alias-field":
+        assert message["reasoning_content"] and "reasoning" not in message
+        assert "</think>" not in message["content"]
+        assert any("reasoning_content" in d for d in deltas)
+        assert not any("reasoning" in d for d in deltas)
+    else:
+        assert "reasoning_content" not in message and "reasoning" not in message
+        assert "</think>" in message["content"] and "</think>" in streamed
+        assert not any("reasoning_content" in d for d in deltas)
+    assert streamed == message["content"]
