@@ -231,6 +231,19 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
 PLAIN_SAMPLING = SamplingParams()
 
 
+def flatten_extra_body(data: Any) -> Any:
+    """An ``extra_body`` object sent as a JSON key (clients that pass the SDK's argument
+    through verbatim) is read as if its fields were top-level, as llama-server and vLLM do; a
+    field given both ways takes the top-level value."""
+    if not isinstance(data, dict) or "extra_body" not in data:
+        return data
+    extra = data["extra_body"]
+    if not isinstance(extra, dict):
+        raise InvalidRequest("extra_body must be an object", param="extra_body")
+    rest = {k: v for k, v in data.items() if k != "extra_body"}
+    return {**extra, **rest}
+
+
 def _length(body: Any, names: tuple[str, ...]) -> int | None:
     """The first of these length fields given; -1 is llama.cpp's "until end of sequence or
     context" (None), another negative a 400 naming the field."""
@@ -249,7 +262,7 @@ def chat_request(
     vocab_size: int | None = None,
     reasoning_budget: int = -1,
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
-    body = structure(data, ChatCompletionBody)
+    body = structure(flatten_extra_body(data), ChatCompletionBody)
     _check_openai_extras(body)
     max_tokens = _length(body, ("max_completion_tokens", "max_tokens", "n_predict"))
     tools, parse_tools, forced = _tools(body)
@@ -351,7 +364,7 @@ def _prompt(value: Any) -> Prompt:
 def completion_request(
     data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
 ) -> tuple[CompletionBody, GenerationRequest]:
-    body = structure(data, CompletionBody)
+    body = structure(flatten_extra_body(data), CompletionBody)
     max_tokens = _length(body, ("max_tokens", "n_predict"))
     request = GenerationRequest(
         request_id=new_id("cmpl"),

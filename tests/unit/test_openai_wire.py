@@ -27,3 +27,16 @@ def test_legacy_completions_read_the_same_way() -> None:
     with pytest.raises(InvalidRequest) as error:
         completion_request({"prompt": "a", "n_predict": -9})
     assert error.value.param == "n_predict"
+
+
+def test_a_nested_extra_body_reads_as_top_level_fields() -> None:
+    _, gen = chat_request({"messages": MESSAGES, "extra_body": {"top_k": 5, "seed": 3}, "seed": 4})
+    assert gen.sampling.top_k == 5 and gen.sampling.seed == 4  # the top level wins
+    _, gen = completion_request({"prompt": "a", "extra_body": {"max_tokens": 6}})
+    assert gen.max_tokens == 6
+    with pytest.raises(InvalidRequest) as error:
+        chat_request({"messages": MESSAGES, "extra_body": [1]})
+    assert error.value.param == "extra_body"
+    # Unknown fields inside it are named like any other.
+    with pytest.raises(InvalidRequest, match="no_such_field"):
+        chat_request({"messages": MESSAGES, "extra_body": {"no_such_field": 1}})
