@@ -167,6 +167,7 @@ class Scheduler:
                     single_tool_call=item.request.single_tool_call,
                     reasoning_open=item.reasoning_open,
                     n=item.request.n,
+                    loop_limit=item.request.loop_limit,
                 )
             )
         return decision.plan

@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
+from mlxcel.actors.loops import LoopDetector
 from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, ReasoningSplitter
 from mlxcel.actors.toolcalls import StreamParser, TextDelta, ToolCallStart, ToolFormat, make_parser
 from mlxcel.runtime.errors import InternalError
@@ -70,6 +71,7 @@ class _Stream:
     single_call: bool = False
     calls: int = 0
     last_token_at: float | None = None
+    loops: LoopDetector | None = None
 
 
 class Streamer:
@@ -140,6 +142,7 @@ class Streamer:
             splitter,
             parser,
             msg.single_tool_call,
+            loops=LoopDetector(msg.loop_limit) if msg.loop_limit is not None else None,
         )
 
     def _token(self, t: TokenOut) -> None:
@@ -155,16 +158,18 @@ class Streamer:
             self._metrics.inter_token.observe(now - stream.last_token_at)
         stream.last_token_at = now
         lp = None
+        # A loop is cut where it is found, like a stop string (the loop's text stays shown).
+        looped = t.finish_reason is None and stream.loops is not None and stream.loops.feed(t.token)
         if t.finish_reason == "stop" and t.token in self._eos:
             text, n = stream.detok.flush(), 0
         else:
             text, n = stream.detok.add(t.token), 1
-            if t.finish_reason is not None:
+            if t.finish_reason is not None or looped:
                 text += stream.detok.flush()
             if t.logprob is not None:
                 lp = TokenLogprob(t.token, t.logprob, t.top_logprobs)
         emit, matched = stream.stops.feed(text)
-        final = matched is not None or t.finish_reason is not None
+        final = matched is not None or t.finish_reason is not None or looped
         if final and matched is None:
             emit += stream.stops.flush()
         self._route(stream, emit, final)
@@ -180,9 +185,9 @@ class Streamer:
             reason = "tool_calls"
         stream.slot.finish(reason, stop_word=matched, choice=t.choice)
         self._metrics.requests.labels(reason).inc()
-        if matched is not None:
-            # The model does not know about stop strings: stop the sequence (only this choice
-            # while its siblings go on).
+        if matched is not None or looped:
+            # The model does not know about stop strings or loops: stop the sequence (only
+            # this choice while its siblings go on).
             if siblings:
                 self._aborts.notify_choice(t.request_id, t.choice)
             else:

@@ -16,6 +16,7 @@ from mlxcel.runtime.messages import (
     ChatPrompt,
     ForcedToolCall,
     GenerationRequest,
+    LoopLimit,
     Prompt,
     SamplingParams,
     TextPrompt,
@@ -65,6 +66,10 @@ class ChatCompletionBody(SamplingFields):
     reasoning_effort: str | None = None
     chat_template_kwargs: Any = None
     response_format: Any = None
+    # vLLM's n-gram loop breaker (loop_limit).
+    max_pattern_size: int | None = None
+    min_pattern_size: int | None = None
+    min_count: int | None = None
     thinking_budget_tokens: Any = None
     reasoning_budget_tokens: Any = None
     thinking_token_budget: Any = None
@@ -97,6 +102,10 @@ class CompletionBody(SamplingFields):
     prompt_cache_key: str | None = None
     logprobs: int | None = None
     response_format: Any = None
+    # vLLM's n-gram loop breaker (loop_limit).
+    max_pattern_size: int | None = None
+    min_pattern_size: int | None = None
+    min_count: int | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -244,6 +253,38 @@ def flatten_extra_body(data: Any) -> Any:
     return {**extra, **rest}
 
 
+# Bounds that keep the per-token check cheap (it runs on the streamer's event loop).
+MAX_PATTERN = 256
+MAX_REPEATS = 64
+
+
+def loop_limit(body: Any) -> LoopLimit | None:
+    """vLLM's repetition detection fields: off unless max_pattern_size > 0, which needs a
+    min_count of at least 2; min_pattern_size 0 means 1."""
+    top = body.max_pattern_size or 0
+    low = body.min_pattern_size or 0
+    count = body.min_count or 0
+    if not 0 <= top <= MAX_PATTERN:
+        raise InvalidRequest(
+            f"max_pattern_size must be between 0 (off) and {MAX_PATTERN}", param="max_pattern_size"
+        )
+    if top == 0:
+        if low or count:
+            field = "min_pattern_size" if low else "min_count"
+            raise InvalidRequest(f"{field} needs max_pattern_size", param=field)
+        return None
+    if not 2 <= count <= MAX_REPEATS:
+        raise InvalidRequest(
+            f"min_count must be between 2 and {MAX_REPEATS} with max_pattern_size",
+            param="min_count",
+        )
+    if not 0 <= low <= top:
+        raise InvalidRequest(
+            "min_pattern_size must be between 0 and max_pattern_size", param="min_pattern_size"
+        )
+    return LoopLimit(min_size=max(low, 1), max_size=top, min_count=count)
+
+
 def _length(body: Any, names: tuple[str, ...]) -> int | None:
     """The first of these length fields given; -1 is llama.cpp's "until end of sequence or
     context" (None), another negative a 400 naming the field."""
@@ -287,6 +328,7 @@ def chat_request(
         thinking_budget=structured_wire.thinking_budget(
             {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS}, reasoning_budget
         ),
+        loop_limit=loop_limit(body),
     )
     return body, request
 
@@ -377,6 +419,7 @@ def completion_request(
         logprobs=body.logprobs,
         n=_n(body.n),
         constraint=structured_wire.response_format(body.response_format),
+        loop_limit=loop_limit(body),
     )
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")

@@ -121,6 +121,16 @@ class LarkGrammar:
 Constraint = JsonSchemaFormat | JsonObjectFormat | ForcedToolCall | LarkGrammar
 
 
+@attrs.frozen
+class LoopLimit:
+    """vLLM's repetition detection: stop once the output ends in a pattern of ``min_size`` to
+    ``max_size`` tokens repeated ``min_count`` times in a row."""
+
+    min_size: int
+    max_size: int
+    min_count: int
+
+
 @attrs.frozen(kw_only=True)
 class GenerationRequest:
     """What a client asked for, in internal terms (built by http/ from the wire body)."""
@@ -154,6 +164,8 @@ class GenerationRequest:
     # Armed for `/v1/chat/completions/control` (`reasoning_control: true`): who may end the
     # reasoning early (a digest of the API key, "" without keys); None: not armed.
     reasoning_control: str | None = None
+    # The n-gram loop breaker (max_pattern_size, min_pattern_size, min_count); None: off.
+    loop_limit: LoopLimit | None = None
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -312,6 +324,7 @@ class OpenStream:
     reasoning_open: bool = False
     # Choices to stream, each with its own detokeniser, stop matcher and parsers.
     n: int = 1
+    loop_limit: LoopLimit | None = None
 
 
 @attrs.frozen

@@ -284,3 +284,44 @@ def test_health(tiny_server: ServerProcess) -> None:
     r = httpx.get(f"{tiny_server.base_url}/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     assert json.loads(httpx.get(f"{tiny_server.base_url}/v1/health").text) == {"status": "ok"}
+
+
+def test_the_loop_breaker_stops_a_looping_answer(tiny_server: ServerProcess) -> None:
+    """vLLM's max_pattern_size / min_count: the tiny model's greedy output falls into a loop,
+    which runs to max_tokens unless the loop breaker is asked for."""
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
+    url = f"{tiny_server.base_url}/v1/completions"
+    free = httpx.post(url, json=body).json()["choices"][0]
+    assert free["finish_reason"] == "length"
+    cut = httpx.post(url, json={**body, "max_pattern_size": 16, "min_count": 4}).json()
+    choice = cut["choices"][0]
+    tokens = choice["logprobs"]["tokens"]
+    assert choice["finish_reason"] == "stop" and len(tokens) < 300
+    # It stopped on the fourth repeat of a pattern of at most 16 tokens, not before.
+    size = next(
+        n
+        for n in range(1, 17)
+        if all(tokens[-n:] == tokens[-k * n - n : -k * n or None] for k in range(4))
+    )
+    assert tokens == free["logprobs"]["tokens"][: len(tokens)] and size <= 16
+    # The chat route takes the same fields: a logit bias makes it say one token over and over.
+    chat = httpx.post(
+        f"{tiny_server.base_url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 50,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logit_bias": {"100": 100},
+            "max_pattern_size": 1,
+            "min_count": 3,
+        },
+    ).json()
+    assert chat["choices"][0]["finish_reason"] == "stop"
+    assert chat["usage"]["completion_tokens"] == 3
