@@ -285,6 +285,14 @@ def loop_limit(body: Any) -> LoopLimit | None:
     return LoopLimit(min_size=max(low, 1), max_size=top, min_count=count)
 
 
+def _check_stream_options(body: Any) -> None:
+    # OpenAI's own rule: the options shape a stream, so without one they ask for nothing.
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+
+
 def _length(body: Any, names: tuple[str, ...]) -> int | None:
     """The first of these length fields given; -1 is llama.cpp's "until end of sequence or
     context" (None), another negative a 400 naming the field."""
@@ -305,6 +313,7 @@ def chat_request(
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(flatten_extra_body(data), ChatCompletionBody)
     _check_openai_extras(body)
+    _check_stream_options(body)
     max_tokens = _length(body, ("max_completion_tokens", "max_tokens", "n_predict"))
     tools, parse_tools, forced = _tools(body)
     constraint = structured_wire.combine(
@@ -407,6 +416,7 @@ def completion_request(
     data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
 ) -> tuple[CompletionBody, GenerationRequest]:
     body = structure(flatten_extra_body(data), CompletionBody)
+    _check_stream_options(body)
     max_tokens = _length(body, ("max_tokens", "n_predict"))
     request = GenerationRequest(
         request_id=new_id("cmpl"),

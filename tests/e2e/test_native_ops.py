@@ -93,6 +93,12 @@ def test_apply_template_and_input_tokens_match_generation(tiny_server: ServerPro
         "usage"
     ]
     assert n == usage["prompt_tokens"]
+    # Under OpenAI's path, its errors are in OpenAI's envelope (code null, param named).
+    bad = httpx.post(f"{base}/v1/chat/completions/input_tokens", json={})
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert error["code"] is None and error["type"] == "invalid_request_error"
+    assert error["param"] == "messages"
 
 
 def test_infill_without_fim_tokens_is_501(tiny_server: ServerProcess) -> None:

@@ -166,6 +166,8 @@ def test_stop_string_is_cut(openai_client: openai.OpenAI) -> None:
         # -1 is llama.cpp's "no limit"; another negative used to mean the same, silently.
         ({"messages": MESSAGES, "max_tokens": -5}, "max_tokens"),
         ({"messages": MESSAGES, "max_completion_tokens": -2}, "max_completion_tokens"),
+        # OpenAI's rule: stream options without a stream.
+        ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": MESSAGES, "seed": -5}, "seed"),
         ({"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
         ({"messages": MESSAGES, "n": 5}, "n"),
