@@ -582,6 +582,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--conversation-store-max-bytes": args.conversation_store_max_bytes >= 0,
         "--conversation-store-ttl-secs": args.conversation_store_ttl_secs >= 0,
         "--reasoning-budget": args.reasoning_budget >= -1,
+        # argparse checks choices on the command line only, not on a default from the env.
+        "--reasoning-format": args.reasoning_format in ("auto", "deepseek", "none"),
+        "--reasoning-alias-field": args.reasoning_alias_field in ("reasoning", "none"),
         "--audio-queue-depth": args.audio_queue_depth >= 1,
         "--audio-request-timeout-secs": args.audio_request_timeout_secs > 0,
         "--realtime-max-sessions": args.realtime_max_sessions >= 1,

@@ -19,7 +19,12 @@ def parse(*argv: str) -> argparse.Namespace:
 
 @pytest.fixture(autouse=True)
 def no_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_CORS_ORIGINS"):
+    for name in (
+        "LLAMA_API_KEY",
+        "LLAMA_ARG_API_KEY_FILE",
+        "LLAMA_ARG_CORS_ORIGINS",
+        "LLAMA_ARG_THINK",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -68,3 +73,11 @@ def test_cors_defaults_and_flags() -> None:
     assert s.cors_credentials is False and s.cors_headers == "X-A"
     with pytest.raises(SystemExit, match="cannot be combined"):
         settings_from(parse("--cors-origins", "*", "--allowed-origins", "http://a.test"))
+
+
+def test_reasoning_format_from_the_environment_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_ARG_THINK", "none")
+    assert settings_from(parse()).reasoning_format == "none"
+    monkeypatch.setenv("LLAMA_ARG_THINK", "deepseek-legacy")
+    with pytest.raises(SystemExit, match="--reasoning-format"):
+        settings_from(parse())
