@@ -105,14 +105,15 @@ def _prompt(value: Any) -> Prompt:
     raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
 
 
-def _n_predict(body: NativeCompletionBody) -> int:
+def _n_predict(body: NativeCompletionBody) -> int | None:
+    """The length asked for; None when the request names none (the server's --n-predict)."""
     for name in ("n_predict", "max_tokens", "max_completion_tokens"):
         value = getattr(body, name)
         if value is not None:
             if not -1 <= value <= INT32_MAX:
                 raise InvalidRequest(f"{name} must be between -1 and {INT32_MAX}", param=name)
             return int(value)
-    return -1
+    return None
 
 
 def _refuse(body: NativeCompletionBody) -> None:
@@ -161,7 +162,7 @@ def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
         sampling=sampling_params(body, ctx.settings.sampling, len(ctx.info.tokenizer)),
         # llama-server: -1 means "until end of sequence or context"; 0 reads the prompt and,
         # as llama-server does, still emits one token.
-        max_tokens=None if n_predict < 0 else max(n_predict, 1),
+        max_tokens=None if n_predict is None or n_predict < 0 else max(n_predict, 1),
         stop=tuple(body.stop or ()),
         ignore_eos=bool(body.ignore_eos),
         cache_key=None if body.cache_prompt is False else "",
@@ -212,7 +213,7 @@ def final_object(ctx: ServerContext, call: _Call, slot: OutputSlot, text: str, f
     gen = call.gen
     settings = generation_settings(
         gen.sampling,
-        n_predict=_n_predict(call.body),
+        n_predict=asked if (asked := _n_predict(call.body)) is not None else ctx.settings.n_predict,
         stop=gen.stop,
         ignore_eos=gen.ignore_eos,
         stream=bool(call.body.stream),
