@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mlxcel import cli_compat
 from mlxcel.runtime.messages import SamplingParams
 from mlxcel.runtime.settings import Settings, default_cache_dir
 
@@ -493,6 +494,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     ):
         opt(flag, env=env, type=kind, default=default, help=what)
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
+    cli_compat.add_flags(p)
 
 
 def api_keys(args: argparse.Namespace) -> frozenset[str]:
@@ -560,6 +562,8 @@ def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
+    for note in cli_compat.check(args):
+        log.warning("%s", note)
     checks = {
         "--parallel": args.parallel >= 1,
         "--max-queue-depth": args.max_queue_depth >= 1,
@@ -601,7 +605,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         n_predict=args.n_predict,
         parallel=args.parallel,
         max_queue_depth=args.max_queue_depth,
-        prefill_chunk_size=args.prefill_chunk_size,
+        # llama-server's -b/--batch-size is the prompt chunk read per step.
+        prefill_chunk_size=args.batch_size or args.prefill_chunk_size,
+        threads=args.threads,
         join_window=args.join_window,
         sse_ping_interval=args.sse_ping_interval,
         warmup=args.warmup,
@@ -664,6 +670,8 @@ def _leaf(error: BaseException) -> BaseException:
 
 def run_serve(settings: Settings) -> int:
     _configure_logging(settings.verbose)
+    if settings.threads > 0:  # read by OpenBLAS when it loads: importing mlxcel.models does
+        os.environ["OPENBLAS_NUM_THREADS"] = str(settings.threads)
     from mlxcel.models.blas import preload_blas
 
     blas = preload_blas()
@@ -693,24 +701,33 @@ def run_serve(settings: Settings) -> int:
     return 0
 
 
+def _argv(argv: Sequence[str] | None) -> list[str]:
+    return cli_compat.rewrite(sys.argv[1:] if argv is None else argv)
+
+
 def main_server(argv: Sequence[str] | None = None) -> int:
     """`mlxcel-server`: llama-server's command line."""
-    p = argparse.ArgumentParser(prog="mlxcel-server", description="LLM inference server on MLX")
+    p = argparse.ArgumentParser(
+        prog="mlxcel-server", description="LLM inference server on MLX", allow_abbrev=False
+    )
     add_serve_flags(p)
-    return run_serve(settings_from(p.parse_args(argv)))
+    return run_serve(settings_from(p.parse_args(_argv(argv))))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`mlxcel`: subcommands (`serve`)."""
-    p = argparse.ArgumentParser(prog="mlxcel", description="LLM inference server on MLX")
+    p = argparse.ArgumentParser(
+        prog="mlxcel", description="LLM inference server on MLX", allow_abbrev=False
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
         help="serve a model over HTTP (llama-server's flags)",
         description="Serve a model: OpenAI and llama-server compatible HTTP API",
+        allow_abbrev=False,
     )
     add_serve_flags(serve)
-    args = p.parse_args(argv)
+    args = p.parse_args(_argv(argv))
     if args.command != "serve":
         p.print_help()
         return 2

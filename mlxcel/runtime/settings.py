@@ -57,6 +57,8 @@ class Settings:
     api_keys: frozenset[str] = attrs.field(factory=frozenset, repr=False)
     # Every route is mounted under this prefix ("" = at the root).
     api_prefix: str = ""
+    # Threads per matmul (llama-server's -t: OPENBLAS_NUM_THREADS); -1: OpenBLAS's default.
+    threads: int = -1
     # Origins allowed by CORS; "*" allows any (the request's Origin is echoed).
     cors_origins: tuple[str, ...] = ("*",)
     cors_methods: str = "GET, POST, DELETE, OPTIONS"

@@ -1,0 +1,63 @@
+"""llama-server launch lines: llama.cpp's short forms, and the GGML flags MLX decides itself."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mlxcel.cli import add_serve_flags, settings_from
+from mlxcel.cli_compat import rewrite
+from mlxcel.runtime.settings import Settings
+
+
+def settings(*argv: str) -> Settings:
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_serve_flags(p)
+    return settings_from(p.parse_args(rewrite(argv)))
+
+
+def test_short_forms_are_rewritten_and_nothing_else() -> None:
+    assert rewrite(["-ngl", "99", "-fa=on", "-c", "512", "-m", "-ngl"]) == [
+        "--n-gpu-layers",
+        "99",
+        "--flash-attn=on",
+        "-c",
+        "512",
+        "-m",
+        "--n-gpu-layers",
+    ]
+
+
+def test_a_typical_llama_server_line_starts() -> None:
+    s = settings("-ngl", "99", "-fa", "on", "--jinja", "-ctk", "f16", "-ctv", "f16", "-cb")
+    assert s.timeout == 600.0
+    s = settings("-t", "3", "-b", "256", "-ub", "128", "--no-mmap")
+    # -t is the thread count (it was read as an abbreviation of -to, the HTTP timeout).
+    assert s.threads == 3 and s.timeout == 600.0
+    assert s.prefill_chunk_size == 256
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (("-ctk", "q8_0"), "not quantised"),
+        (("-nocb",), "always batched"),
+        (("--no-jinja",), "Jinja"),
+        (("--mlock",), "nothing to lock"),
+        (("-tb", "2"), "one thread count"),
+        (("--webui",), "no web UI"),
+    ],
+)
+def test_flags_asking_for_what_mlx_does_not_do_stop_the_server(
+    argv: tuple[str, ...], reason: str
+) -> None:
+    with pytest.raises(SystemExit, match=reason):
+        settings(*argv)
+
+
+def test_abbreviations_are_not_guessed() -> None:
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_serve_flags(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--embedding-mod", "x"])
