@@ -314,6 +314,21 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="default thinking budget in tokens: -1 unlimited, 0 no thinking, N cap",
     )
     opt(
+        "--chat-template",
+        env="LLAMA_ARG_CHAT_TEMPLATE",
+        default=None,
+        metavar="JINJA|chatml",
+        help="chat template to use instead of the model's own: Jinja text, or the built-in "
+        "name chatml",
+    )
+    opt(
+        "--chat-template-file",
+        env="LLAMA_ARG_CHAT_TEMPLATE_FILE",
+        default=None,
+        metavar="PATH",
+        help="chat template (a Jinja file) to use instead of the model's own",
+    )
+    opt(
         "--reasoning-format",
         env="LLAMA_ARG_THINK",
         default=d.reasoning_format,
@@ -523,6 +538,35 @@ def api_keys(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(keys)
 
 
+# llama.cpp's built-in names this server knows (Jinja text is taken as it is).
+CHAT_TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+        "(message['content'] or '') + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+}
+
+
+def chat_template(args: argparse.Namespace) -> str | None:
+    if args.chat_template is not None and args.chat_template_file is not None:
+        raise SystemExit("error: --chat-template and --chat-template-file are exclusive")
+    if args.chat_template_file is not None:
+        try:
+            return Path(args.chat_template_file).read_text(encoding="utf-8")
+        except OSError as error:
+            raise SystemExit(f"error: --chat-template-file: {error}") from None
+    spec = args.chat_template
+    if spec is None or "{{" in spec or "{%" in spec:
+        return spec
+    if spec in CHAT_TEMPLATES:
+        return CHAT_TEMPLATES[spec]
+    raise SystemExit(
+        f"error: --chat-template {spec!r}: not Jinja text and not a built-in name "
+        f"({', '.join(sorted(CHAT_TEMPLATES))}); --chat-template-file reads one from a file"
+    )
+
+
 def cors_origins(args: argparse.Namespace) -> tuple[str, ...]:
     if args.cors_origins is not None and args.allowed_origins is not None:
         raise SystemExit("error: --allowed-origins cannot be combined with --cors-origins")
@@ -643,6 +687,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         conversation_store_max_bytes=args.conversation_store_max_bytes,
         conversation_store_ttl_secs=args.conversation_store_ttl_secs,
         reasoning_budget=args.reasoning_budget,
+        chat_template=chat_template(args),
         reasoning_format=args.reasoning_format,
         reasoning_alias_field=args.reasoning_alias_field,
         skip_chat_parsing=args.skip_chat_parsing,

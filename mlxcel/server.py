@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 from functools import partial
 
+import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
@@ -49,6 +50,11 @@ def build_mlx_backend(settings: Settings) -> Backend:
 
     resolved = resolve_model(settings.model, settings.cache_dir)
     loaded = load_model(resolved, keep_quantized=settings.keep_quantized)
+    if settings.chat_template is not None:
+        # --chat-template[-file]: the tokenizer renders with it, and every format detection
+        # (reasoning markers, tool calls, /props) reads it instead of the model's own.
+        loaded.tokenizer.chat_template = settings.chat_template
+        loaded = attrs.evolve(loaded, chat_template=settings.chat_template)
     backend = MlxBackend(loaded, settings)
     log.info("loaded %s from %s", backend.info.description, loaded.path)
     if settings.warmup:

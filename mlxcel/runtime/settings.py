@@ -87,6 +87,8 @@ class Settings:
     conversation_store_ttl_secs: float = 3600.0
     # Default thinking budget for requests that set none: -1 unlimited, 0 none, N tokens.
     reasoning_budget: int = -1
+    # A chat template (Jinja) to use instead of the model's own (--chat-template[-file]).
+    chat_template: str | None = None
     # Where thinking goes (llama-server's --reasoning-format): "auto"/"deepseek" split it into
     # reasoning_content (Anthropic thinking blocks, Responses reasoning items); "none" leaves
     # the raw output, markers included, in the content.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +62,17 @@ def test_abbreviations_are_not_guessed() -> None:
     add_serve_flags(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--embedding-mod", "x"])
+
+
+def test_chat_template_flags(tmp_path: Path) -> None:
+    assert settings().chat_template is None
+    assert "<|im_start|>" in (settings("--chat-template", "chatml").chat_template or "")
+    jinja = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    assert settings("--chat-template", jinja).chat_template == jinja
+    f = tmp_path / "t.jinja"
+    f.write_text(jinja)
+    assert settings("--chat-template-file", str(f)).chat_template == jinja
+    with pytest.raises(SystemExit, match="built-in name"):
+        settings("--chat-template", "vicuna-orca")
+    with pytest.raises(SystemExit, match="exclusive"):
+        settings("--chat-template", "chatml", "--chat-template-file", str(f))
