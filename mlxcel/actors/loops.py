@@ -25,15 +25,16 @@ class LoopDetector:
         tail.append(token)
         count = self._limit.min_count
         n = len(tail)
+        window: list[int] | None = None  # the tail as a list, made once a size gets past the check
         for size in range(self._limit.min_size, self._limit.max_size + 1):
-            span = size * count
-            if span > n:
+            if size * count > n:
                 break
-            # Cheap rejection first: a loop of this size repeats the last token size back.
+            # Cheap rejection first (every token pays it): a loop repeats the last token.
             if tail[-1] != tail[-1 - size]:
                 continue
-            window = list(tail)[n - span :]
-            pattern = window[-size:]
-            if all(window[i * size : (i + 1) * size] == pattern for i in range(count - 1)):
+            if window is None:
+                window = list(tail)
+            pattern = window[n - size :]
+            if all(window[n - (k + 1) * size : n - k * size] == pattern for k in range(1, count)):
                 return True
         return False

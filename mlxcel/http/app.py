@@ -43,15 +43,11 @@ def _family() -> Family:
         request.blueprint is None and is_anthropic_path(request.path)
     ):
         return "anthropic"
-    if request.endpoint in OPENAI_ENDPOINTS:
-        return "openai"
     return "native" if request.blueprint in NATIVE_BLUEPRINTS else "openai"
 
 
 NATIVE_BLUEPRINTS = frozenset({"native", "native_completion", "ops", "health", "public_health"})
 ANTHROPIC_BLUEPRINTS = frozenset({"anthropic"})
-# Native-blueprint routes under OpenAI's paths: their clients read OpenAI's envelope.
-OPENAI_ENDPOINTS = frozenset({"native.chat_input_tokens"})
 
 
 async def _check_headers() -> None:

@@ -20,7 +20,7 @@ from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import read_json, start_generation
 from mlxcel.http.openai_wire import new_id
-from mlxcel.http.ops import NotSupported, generation_settings
+from mlxcel.http.ops import NotSupported, request_settings
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.http.security import key_scope
 from mlxcel.runtime.codec import structure
@@ -146,7 +146,9 @@ def _refuse(body: NativeCompletionBody) -> None:
         raise InvalidRequest("sse_ping_interval must be 0 or more", param="sse_ping_interval")
 
 
-def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
+def _request(
+    body: NativeCompletionBody, prompt: Prompt, n_predict: int | None
+) -> GenerationRequest:
     _refuse(body)
     n_probs = body.n_probs if body.n_probs is not None else body.logprobs
     n_probs_param = "n_probs" if body.n_probs is not None else "logprobs"
@@ -155,7 +157,6 @@ def _request(body: NativeCompletionBody, prompt: Prompt) -> GenerationRequest:
     if body.id_slot not in (None, -1):
         raise InvalidRequest("choosing a slot is not supported; use id_slot -1", param="id_slot")
     ctx = server()
-    n_predict = _n_predict(body)
     return GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=prompt,
@@ -206,20 +207,17 @@ class _Call:
     body: NativeCompletionBody
     gen: GenerationRequest
     prompt_text: str
+    # The length as generation_settings reports it (the server's --n-predict when unnamed).
+    n_predict: int
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.stream)
 
 
 def final_object(ctx: ServerContext, call: _Call, slot: OutputSlot, text: str, finish: str) -> Any:
     stop_type = {"length": "limit"}.get(finish, "word" if slot.stop_word is not None else "eos")
-    gen = call.gen
-    settings = generation_settings(
-        gen.sampling,
-        n_predict=asked if (asked := _n_predict(call.body)) is not None else ctx.settings.n_predict,
-        stop=gen.stop,
-        ignore_eos=gen.ignore_eos,
-        stream=bool(call.body.stream),
-        cache_prompt=gen.cache_key is not None and ctx.settings.cache_enabled,
-        n_probs=gen.logprobs or 0,
-    )
+    settings = request_settings(ctx, call.gen, n_predict=call.n_predict, stream=call.stream)
     # Key order as llama-server writes it.
     obj: dict[str, Any] = {
         "index": 0,
@@ -268,7 +266,10 @@ def _prompt_text(prompt: Prompt) -> str:
 async def _run(body: NativeCompletionBody, prompt: Prompt) -> Response:
     ctx = server()
     ctx.check_model(body.model)
-    call = _Call(body, _request(body, prompt), _prompt_text(prompt))
+    asked = _n_predict(body)
+    gen = _request(body, prompt, asked)
+    reported = asked if asked is not None else ctx.settings.n_predict
+    call = _Call(body, gen, _prompt_text(prompt), reported)
     slot = await start_generation(ctx, call.gen)
     if body.stream:
         return _stream(ctx, call, slot)

@@ -15,8 +15,9 @@ from quart import Blueprint, Response
 
 from mlxcel.http.context import server
 from mlxcel.http.openai import read_json
+from mlxcel.http.openai_wire import check_metadata
 from mlxcel.http.responses import CONVERSATIONS_OFF, _json, new_conversation, page, store_of
-from mlxcel.http.responses_wire import _metadata, input_items, new_id
+from mlxcel.http.responses_wire import input_items, new_id
 from mlxcel.runtime.errors import InvalidRequest, NotFound, UnsupportedField
 
 bp = Blueprint("conversations", __name__)
@@ -68,7 +69,7 @@ async def create() -> Response:
     if not store.enabled("conversations"):
         raise InvalidRequest(CONVERSATIONS_OFF)
     data = await _body({"items", "metadata"})
-    _metadata(data.get("metadata"))
+    check_metadata(data.get("metadata"))
     conv = new_conversation(new_id("conv"), data.get("metadata") or {})
     conv["items"] = _new_items(data.get("items"))
     await store.put("conversations", conv["id"], conv)
@@ -96,7 +97,7 @@ async def _change(cid: str, change: Any) -> dict[str, Any]:
 @bp.post("/v1/conversations/<cid>")
 async def update(cid: str) -> Response:
     data = await _body({"metadata"})
-    _metadata(data.get("metadata"))
+    check_metadata(data.get("metadata"))
     conv = await _change(cid, lambda c: {**c, "metadata": data.get("metadata") or {}})
     return _json(_public(conv))
 

@@ -14,8 +14,7 @@ from quart import Blueprint, Response
 from mlxcel.actors.side_models import require_generation
 from mlxcel.actors.token_bytes import piece_for_json, token_bytes
 from mlxcel.http.context import server
-from mlxcel.http.openai import read_json
-from mlxcel.http.openai_wire import chat_request
+from mlxcel.http.openai import read_json, render_chat
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import ResetCache
 
@@ -82,29 +81,12 @@ async def detokenize() -> Response:
     return _json({"content": text})
 
 
-async def _render_chat(body: dict[str, Any]) -> tuple[str, int]:
-    _, gen = chat_request(body, server().settings.sampling)
-    actor = server().tokenizer
-    text = await trio.to_thread.run_sync(actor.render, gen)
-    n = len(await trio.to_thread.run_sync(actor.encode, gen))
-    return text, n
-
-
 @bp.post("/apply-template")
 async def apply_template() -> Response:
     body = await _object_body()
     body.pop("model", None)  # optional here: the served model is implied
-    prompt, _ = await _render_chat(body)
+    prompt, _ = await render_chat(body)
     return _json({"prompt": prompt})
-
-
-@bp.post("/v1/chat/completions/input_tokens")
-@bp.post("/chat/completions/input_tokens")
-async def chat_input_tokens() -> Response:
-    body = await _object_body()
-    server().check_model(body.get("model") if isinstance(body.get("model"), str) else None)
-    _, n = await _render_chat(body)
-    return _json({"input_tokens": n})
 
 
 @bp.get("/v1/cache/stats")

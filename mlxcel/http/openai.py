@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 from quart import Blueprint, Response, request
 
 from mlxcel.actors.side_models import require_generation
@@ -203,6 +204,26 @@ async def chat_completions() -> Response:
             "usage": _usage(slot, ctx),
         }
     )
+
+
+async def render_chat(body: dict[str, Any]) -> tuple[str, int]:
+    """A chat request's prompt as the model will read it, and its length in tokens."""
+    _, gen = chat_request(body, server().settings.sampling)
+    actor = server().tokenizer
+    text = await trio.to_thread.run_sync(actor.render, gen)
+    n = len(await trio.to_thread.run_sync(actor.encode, gen))
+    return text, n
+
+
+@bp.post("/v1/chat/completions/input_tokens")
+@bp.post("/chat/completions/input_tokens")
+async def chat_input_tokens() -> Response:
+    body = await read_json()
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    server().check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+    _, n = await render_chat(body)
+    return _json({"input_tokens": n})
 
 
 @bp.post("/v1/completions")

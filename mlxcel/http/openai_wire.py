@@ -122,6 +122,25 @@ def _stop(value: Any) -> tuple[str, ...]:
     raise InvalidRequest("stop must be a string or a list of strings", param="stop")
 
 
+MAX_METADATA = 16
+
+
+def check_metadata(value: Any) -> None:
+    """OpenAI's metadata: at most 16 string pairs (chat, Responses, Conversations)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise InvalidRequest("metadata must be an object", param="metadata")
+    if len(value) > MAX_METADATA:
+        raise InvalidRequest(f"metadata takes at most {MAX_METADATA} entries", param="metadata")
+    for key, val in value.items():
+        if len(key) > 64 or not isinstance(val, str) or len(val) > 512:
+            raise InvalidRequest(
+                "metadata keys are at most 64 characters and values strings of at most 512",
+                param="metadata",
+            )
+
+
 def _check_openai_extras(body: ChatCompletionBody) -> None:
     """Accept what asks for nothing we do not do: ``store: false`` (chat completions are
     never stored here), text-only ``modalities``, ``metadata`` (it only labels a stored
@@ -134,15 +153,7 @@ def _check_openai_extras(body: ChatCompletionBody) -> None:
         )
     if body.modalities is not None and body.modalities != ["text"]:
         raise InvalidRequest('modalities: only ["text"] is served', param="modalities")
-    meta = body.metadata
-    if meta is not None and not (
-        isinstance(meta, dict)
-        and len(meta) <= 16
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
-    ):
-        raise InvalidRequest(
-            "metadata must be an object of at most 16 string values", param="metadata"
-        )
+    check_metadata(body.metadata)
     if body.service_tier not in (None, "auto", "default"):
         raise InvalidRequest(
             f"service_tier {body.service_tier!r} is not offered; use auto or default "

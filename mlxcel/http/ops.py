@@ -22,7 +22,7 @@ from mlxcel.runtime.errors import (
     NotImplementedRoute,
     ServiceError,
 )
-from mlxcel.runtime.messages import SamplingParams, Tokenized
+from mlxcel.runtime.messages import GenerationRequest, SamplingParams
 
 bp = Blueprint("ops", __name__)
 
@@ -53,14 +53,16 @@ def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
     )
 
 
-def request_settings(ctx: ServerContext, item: Tokenized) -> dict[str, Any]:
-    gen = item.request
+def request_settings(
+    ctx: ServerContext, gen: GenerationRequest, *, n_predict: int, stream: bool
+) -> dict[str, Any]:
+    """llama-server's ``generation_settings`` of one request (/completion, /slots)."""
     return generation_settings(
         gen.sampling,
-        n_predict=item.max_tokens,
+        n_predict=n_predict,
         stop=gen.stop,
         ignore_eos=gen.ignore_eos,
-        stream=False,  # not known past the route; llama-server's slots show it
+        stream=stream,
         cache_prompt=gen.cache_key is not None and ctx.settings.cache_enabled,
         n_probs=gen.logprobs or 0,
     )
@@ -215,7 +217,10 @@ async def slots() -> Response:
             "is_processing": item is not None,
             "id_task": -1,
             # A busy slot shows the settings its request runs with, as llama-server's do.
-            "params": generation_defaults(ctx) if item is None else request_settings(ctx, item),
+            # (stream is not known past the route; llama-server's slots show it.)
+            "params": generation_defaults(ctx)
+            if item is None
+            else request_settings(ctx, item.request, n_predict=item.max_tokens, stream=False),
             "prompt": "",
             "next_token": {"has_next_token": False, "n_remain": -1, "n_decoded": 0},
         }

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from mlxcel.http.openai_wire import MAX_TOOLS, PLAIN_SAMPLING
+from mlxcel.http.openai_wire import MAX_TOOLS, PLAIN_SAMPLING, check_metadata
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
@@ -29,7 +29,6 @@ from mlxcel.runtime.messages import (
     SamplingParams,
 )
 
-MAX_METADATA = 16
 # Tool types the Responses API defines that run on OpenAI's side; we have none of them.
 HOSTED_TOOLS = (
     "web_search, web_search_preview, file_search, computer_use_preview, code_interpreter, "
@@ -106,7 +105,7 @@ def parse_body(data: Any) -> ResponsesBody:
         raise InvalidRequest("max_tool_calls must be at least 1", param="max_tool_calls")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise InvalidRequest("top_logprobs must be between 0 and 20", param="top_logprobs")
-    _metadata(body.metadata)
+    check_metadata(body.metadata)
     if body.include is not None:
         if not isinstance(body.include, list) or not all(isinstance(i, str) for i in body.include):
             raise InvalidRequest("include must be a list of strings", param="include")
@@ -124,21 +123,6 @@ def parse_body(data: Any) -> ResponsesBody:
                 param=f"stream_options.{key}",
             )
     return body
-
-
-def _metadata(value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, dict):
-        raise InvalidRequest("metadata must be an object", param="metadata")
-    if len(value) > MAX_METADATA:
-        raise InvalidRequest(f"metadata takes at most {MAX_METADATA} entries", param="metadata")
-    for key, val in value.items():
-        if len(key) > 64 or not isinstance(val, str) or len(val) > 512:
-            raise InvalidRequest(
-                "metadata keys are at most 64 characters and values strings of at most 512",
-                param="metadata",
-            )
 
 
 def conversation_id(value: Any) -> str | None:
