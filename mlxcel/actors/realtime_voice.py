@@ -578,7 +578,9 @@ class RealtimeSession:
             prompt = ChatPrompt(messages=_prompt(system, items[start:]))
             return count(attrs.evolve(request, prompt=prompt))
 
-        base = tokens(len(items))
+        # No instructions: nothing precedes the conversation (a prompt of no messages cannot
+        # be rendered, and every answer of such a session failed).
+        base = tokens(len(items)) if system else 0
         limit = budget(
             truncation,
             context=self._deps.context_length,

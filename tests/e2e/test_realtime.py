@@ -80,6 +80,21 @@ async def test_commit_turn_transcribes_answers_and_speaks(tiny_server: ServerPro
     assert code == 1000
 
 
+async def test_a_session_without_instructions_answers(tiny_server: ServerProcess) -> None:
+    # Clients (the OpenAI SDK's among them) often set no instructions at all.
+    async with connect(tiny_server.base_url) as c:
+        await c.recv()
+        setup = {"max_response_output_tokens": 8, "seed": "7"}
+        await c.send({"type": "session.update", "session": setup})
+        assert (await c.recv())["type"] == "session.updated"
+        await c.append(spoken())
+        await c.send({"type": "input_audio_buffer.commit"})
+        events = await c.until("response.done", timeout=240)
+    assert not [e for e in events if e["type"] == "error"], events
+    assert events[-1]["response"]["status"] == "completed"
+    assert any(e["type"] == "response.text.delta" for e in events)
+
+
 async def test_server_vad_turns_without_commit_keep_history(tiny_server: ServerProcess) -> None:
     question = np.concatenate([silence(0.4), spoken(), silence(0.8)])
     async with connect(tiny_server.base_url) as c:
