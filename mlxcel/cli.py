@@ -214,6 +214,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="prompt-cache budget in MiB (KV of finished requests reused by later ones "
         "sharing a prefix); 0 = off",
     )
+    opt(
+        "--mlx-cache-limit",
+        env="MLXCEL_MLX_CACHE_LIMIT",
+        type=int,
+        default=d.mlx_cache_limit_mib,
+        help="MiB of freed buffers mlx's allocator keeps for reuse (all of it is released "
+        "whenever the server goes idle)",
+    )
     p.add_argument(
         "--metrics",
         action="store_true",
@@ -667,6 +675,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         cors_credentials=args.cors_credentials,
         timeout=args.timeout,
         cache_ram_mib=args.cache_ram,
+        mlx_cache_limit_mib=args.mlx_cache_limit,
         max_request_bytes=args.max_request_bytes,
         sampling=sampling_defaults(args),
         metrics_endpoint=args.metrics,

@@ -297,7 +297,7 @@ class StepOutput:
 
 @attrs.frozen
 class CacheStats:
-    """The prompt cache as the compute thread last saw it."""
+    """The prompt cache, and mlx's allocator, as the compute thread last saw them."""
 
     entries: int = 0
     nbytes: int = 0
@@ -305,6 +305,10 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    # Bytes in live mlx arrays (model, batch KV, prompt cache, ...) and in freed buffers
+    # mlx's allocator keeps for reuse.
+    mlx_active: int = 0
+    mlx_cached: int = 0
 
 
 # --- scheduler -> streamer --------------------------------------------------------------------

@@ -14,6 +14,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -77,11 +78,23 @@ class _Live(Collector):
         yield GaugeMetricFamily(
             "mlxcel_prompt_cache_entries", "Entries in the prompt cache.", value=s.entries
         )
+        yield GaugeMetricFamily(
+            "mlxcel_mlx_active_bytes",
+            "Bytes in live mlx arrays (weights, batch KV, prompt cache).",
+            value=s.mlx_active,
+        )
+        yield GaugeMetricFamily(
+            "mlxcel_mlx_cache_bytes",
+            "Freed buffers mlx's allocator keeps for reuse (bounded by --mlx-cache-limit).",
+            value=s.mlx_cached,
+        )
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # process_resident_memory_bytes and friends: what an operator watches for leaks.
+        ProcessCollector(registry=r)
         self.prompt_tokens = Counter(
             "llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r
         )

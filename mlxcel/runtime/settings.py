@@ -69,6 +69,9 @@ class Settings:
     timeout: float = 600.0
     # Prompt (prefix) cache budget in MiB; 0 turns the cache off.
     cache_ram_mib: int = 8192
+    # mlx's allocator keeps freed buffers for reuse; this bounds them (MiB). The batch's KV
+    # grows by copying, so without a bound every size it ever had stays resident.
+    mlx_cache_limit_mib: int = 512
     # Largest JSON request body accepted; larger ones get 413.
     max_request_bytes: int = 2 * 1024 * 1024
     # Defaults for request fields a client leaves out (llama-server's sampling defaults).

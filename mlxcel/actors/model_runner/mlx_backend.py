@@ -21,6 +21,7 @@ from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
 from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
 from mlxcel.actors.model_runner.guide import Guide, GuideKit
+from mlxcel.actors.model_runner.memory import release_idle_memory
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
@@ -94,6 +95,9 @@ class MlxBackend:
         self._guides: dict[int, Guide] = {}
         self._kit = _guide_kit(loaded, self._encode, self._vocab_size)
         self._cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_enabled else None
+        # Process-wide (the embedder's thread allocates through the same mlx allocator).
+        mx.set_cache_limit(settings.mlx_cache_limit_mib << 20)
+        self._busy = False
 
     def warmup(self) -> float:
         """Run one tiny generation so the first request pays no first-call costs."""
@@ -120,7 +124,13 @@ class MlxBackend:
                     guide.end_thinking()
         cached = self._insert(plan.inserts) if plan.inserts else ()
         if not self._rid_by_uid:
+            if self._busy:
+                # Idle: hand every freed buffer back, so a quiet server sits at its floor
+                # (model, prompt cache) whatever sizes the last burst needed.
+                self._busy = False
+                release_idle_memory()
             return StepOutput(cached=cached, cache=self._stats())
+        self._busy = True
 
         prompt_responses, generation_responses = self._gen.next()
         errors = self._failed_guides(generation_responses) if self._guides else ()
@@ -196,8 +206,11 @@ class MlxBackend:
             out[r.uid] = (float(c[0]), tuple((int(i), float(v)) for i, v in top))
         return out
 
-    def _stats(self) -> CacheStats | None:
-        return self._cache.stats() if self._cache is not None else None
+    def _stats(self) -> CacheStats:
+        stats = self._cache.stats() if self._cache is not None else CacheStats()
+        return attrs.evolve(
+            stats, mlx_active=mx.get_active_memory(), mlx_cached=mx.get_cache_memory()
+        )
 
     def _insert(self, inserts: tuple[InsertSequence, ...]) -> tuple[tuple[str, int], ...]:
         rows: list[_Row] = []
