@@ -28,6 +28,9 @@ async def drain(ctx: ServerContext, graceful_timeout: float) -> None:
     reached their token limit (finish reason "length"), so each stream still gets its final
     event and terminator. Realtime sessions are closed (error event, then 1001) once no
     request is left. Past the deadline, what remains is Hypercorn's to cancel.
+
+    Cancellation (an actor died and the root nursery is failing): returns at once; Hypercorn
+    and the handlers are cancelled with everything else.
     """
     admission = ctx.admission
     deadline = trio.current_time() + graceful_timeout
