@@ -245,14 +245,14 @@ def test_kill_9_while_storing_responses_loses_no_acknowledged_one(
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while len(acknowledged) < 20 and time.monotonic() < deadline:
+    while len(acknowledged) < 12 and time.monotonic() < deadline:
         time.sleep(0.05)
     first.proc.kill()  # mid-write: requests are in flight on every thread
     stop.set()
     for t in threads:
         t.join(30)
     first.stop()
-    assert len(acknowledged) >= 20
+    assert len(acknowledged) >= 12
 
     second = ServerProcess(args)
     try:
@@ -268,3 +268,32 @@ def test_kill_9_while_storing_responses_loses_no_acknowledged_one(
         assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     finally:
         db.close()
+
+
+def test_sigterm_lets_a_speech_request_in_flight_finish(tiny_model_dir: Path) -> None:
+    """Not a generation: admission does not know it, the drain still waits for it."""
+    server = ServerProcess(["-m", str(tiny_model_dir), "--graceful-timeout", "20", "--no-warmup"])
+    text = " ".join(f"This is sentence number {i}." for i in range(8))
+    result: dict[str, Any] = {}
+
+    def speak() -> None:
+        try:
+            result["r"] = httpx.post(
+                f"{server.base_url}/v1/audio/speech",
+                json={"input": text, "voice": "alloy", "response_format": "wav"},
+                timeout=60,
+            )
+        except httpx.HTTPError as error:
+            result["error"] = error
+
+    t = threading.Thread(target=speak)
+    t.start()
+    time.sleep(0.5)  # the voice is loading or speaking: seconds of work for two cores
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    code = server.proc.wait(timeout=30)
+    server.stop()
+    assert "error" not in result, result
+    assert result["r"].status_code == 200
+    assert result["r"].content.startswith(b"RIFF") and len(result["r"].content) > 50_000
+    assert code == 0
