@@ -164,7 +164,7 @@ def draining_server(tiny_model_dir: Path, tmp_path: Path) -> Any:
 
 
 async def test_sigterm_ends_every_stream_properly_then_exits_0(
-    draining_server: ServerProcess,
+    draining_server: ServerProcess, tmp_path: Path
 ) -> None:
     server = draining_server
     results: dict[str, Any] = {
@@ -219,6 +219,15 @@ async def test_sigterm_ends_every_stream_properly_then_exits_0(
 
     assert code == 0
     assert exited < GRACE + 3
+
+    # The cut Responses stream asked to be stored: it is, as incomplete.
+    stored_id = json.loads(sse_events(results["raw"]["responses+store"])[-1][1])["response"]["id"]
+    db = sqlite3.connect(tmp_path / "sessions.sqlite3")
+    try:
+        (row,) = db.execute("SELECT body FROM responses WHERE id = ?", (stored_id,)).fetchone()
+    finally:
+        db.close()
+    assert json.loads(row)["response"]["status"] == "incomplete"
 
 
 def test_kill_9_while_storing_responses_loses_no_acknowledged_one(
