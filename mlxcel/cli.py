@@ -151,7 +151,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         env="LLAMA_ARG_GRACEFUL_TIMEOUT",
         type=float,
         default=d.graceful_timeout,
-        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted",
+        help="seconds the drain after SIGINT/SIGTERM may take: running requests may finish "
+        "until shortly before, then end with finish reason 'length' (default 25)",
     )
     p.add_argument(
         "--api-key",

@@ -30,8 +30,10 @@ from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import detect as detect_tools
+from mlxcel.drain import drain
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
+from mlxcel.http.inflight import InFlight
 from mlxcel.models import blas
 from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
 from mlxcel.runtime.metrics import Metrics
@@ -183,7 +185,7 @@ async def serve(
         metrics.live.waiting = lambda: scheduler.waiting
         metrics.live.queued = lambda: admission.queued
         metrics.live.cache = lambda: scheduler.cache_stats
-        app = create_app(ctx)
+        app = InFlight(create_app(ctx))
         http_stop = trio.Event()
         http_done = trio.Event()
 
@@ -210,13 +212,9 @@ async def serve(
             await wait_for_stop_signal()
         else:
             await stop.wait()
-        # Stop admitting (503) but keep listening while in-flight requests finish, up to the
-        # graceful timeout; then Hypercorn closes connections and cancels what is left, which
-        # aborts those generations. Hypercorn's own grace period would also wait for idle
-        # keep-alive connections, so it only gets a short one.
-        admission.drain()
-        with trio.move_on_after(settings.graceful_timeout):
-            await admission.wait_idle()
+        await drain(ctx, app, settings.graceful_timeout)
+        # Hypercorn's own grace period would also wait for idle keep-alive connections, so it
+        # only gets a short one: by now every response has been written.
         http_stop.set()
         await http_done.wait()
         log.info("stopped")

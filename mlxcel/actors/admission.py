@@ -13,7 +13,7 @@ import itertools
 
 import trio
 
-from mlxcel.runtime.errors import InvalidRequest, ServerBusy, Unavailable
+from mlxcel.runtime.errors import InvalidRequest, ServerBusy, ShuttingDown
 from mlxcel.runtime.messages import GenerationRequest, Submit
 from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
 
@@ -44,6 +44,7 @@ class Admission:
         self._ids = itertools.count()
         # Requests whose handler has not finished yet (queued, running, or streaming out).
         self.active = 0
+        self._live: set[OutputSlot] = set()
         self._idle = trio.Event()
         self._idle.set()
 
@@ -51,13 +52,23 @@ class Admission:
     def queued(self) -> int:
         return int(self._limiter.borrowed_tokens)
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def drain(self) -> None:
         """Stop admitting: every later submit is 503 while in-flight work finishes."""
         self._draining = True
 
+    def interrupt_all(self) -> None:
+        """End every admitted request now (``OutputSlot.interrupt``): the grace period is over.
+        Their handlers still write a proper ending; ``wait_idle`` returns once they have."""
+        for slot in list(self._live):
+            slot.interrupt(ShuttingDown())
+
     def submit(self, request: GenerationRequest) -> OutputSlot:
         if self._draining:
-            raise Unavailable("The server is shutting down.")
+            raise ShuttingDown()
         validate(request)
         borrower = (request.request_id, next(self._ids))
         try:
@@ -68,15 +79,17 @@ class Admission:
             request.request_id,
             Reservation(self._limiter, borrower),
             self._aborts,
-            self._closed,
+            lambda: self._closed(slot),
             n=request.n,
         )
+        self._live.add(slot)
         self.active += 1
         self._idle = trio.Event()
         self._lane_tx.send_nowait(Submit(request, slot))
         return slot
 
-    def _closed(self) -> None:
+    def _closed(self, slot: OutputSlot) -> None:
+        self._live.discard(slot)
         self.active -= 1
         if self.active == 0:
             self._idle.set()

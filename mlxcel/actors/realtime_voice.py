@@ -223,6 +223,16 @@ class RealtimeSession:
                 s.shield = True
                 await self._t.close(1008, "client too slow: outgoing queue overflow")
 
+    def shut_down(self) -> None:
+        """The server is stopping: end the running answer, say why, then close 1001 (going
+        away). Sync and idempotent; called from outside the session's nursery."""
+        try:
+            self._cancel_response("server_shutting_down")
+            self._error("server_shutting_down", "The server is shutting down.")
+        except OutboxOverflow:
+            pass  # the client is too far behind to read it: the close is all it gets
+        self._close(1001, "server shutting down")
+
     def _emit(self, *payloads: dict[str, Any], response_id: str | None = None) -> None:
         for p in payloads:
             self._out.put(self._stamp(p), response_id=response_id)

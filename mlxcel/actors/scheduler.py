@@ -125,7 +125,7 @@ class Scheduler:
         elif isinstance(msg, EndReasoning):
             if msg.request_id in self._state.running:
                 self._end_reasoning.append(msg.request_id)
-        elif msg.slot.cancelled:
+        elif msg.slot.done:  # its reader left, or the drain ended it while it was tokenized
             msg.slot.reservation.release()
         else:
             self._state.enqueue(msg, time.monotonic())

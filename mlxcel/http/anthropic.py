@@ -69,7 +69,11 @@ async def messages() -> Response:
         return _stream(ctx, slot, req, message)
     c = await _collect(slot)
     reason, sequence = stop_reason(
-        c.finish_reason, slot.stop_word, slot.completion_tokens, req.body.max_tokens
+        c.finish_reason,
+        slot.stop_word,
+        slot.completion_tokens,
+        req.body.max_tokens,
+        interrupted=slot.interrupted,
     )
     body = {
         **message,
@@ -146,7 +150,11 @@ def _stream(
             for name, payload in blocks.close([]):
                 yield sse.event(name, payload)
             reason, sequence = stop_reason(
-                update.finish_reason, slot.stop_word, slot.completion_tokens, req.body.max_tokens
+                update.finish_reason,
+                slot.stop_word,
+                slot.completion_tokens,
+                req.body.max_tokens,
+                interrupted=slot.interrupted,
             )
             yield sse.event(
                 "message_delta",

@@ -36,7 +36,12 @@ def signature(thinking: str) -> str:
 
 
 def stop_reason(
-    finish: str, stop_word: str | None, completion_tokens: int, requested: int | None
+    finish: str,
+    stop_word: str | None,
+    completion_tokens: int,
+    requested: int | None,
+    *,
+    interrupted: bool = False,
 ) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) for a finish reason."""
     if finish == "tool_calls":
@@ -44,8 +49,9 @@ def stop_reason(
     if stop_word is not None:
         return "stop_sequence", stop_word
     if finish == "length":
-        # max_tokens was clamped to the context left after the prompt, and that ran out.
-        if requested is not None and completion_tokens < requested:
+        # max_tokens was clamped to the context left after the prompt, and that ran out (a
+        # generation cut by the shutdown drain is a plain max_tokens: the answer is truncated).
+        if not interrupted and requested is not None and completion_tokens < requested:
             return "model_context_window_exceeded", None
         return "max_tokens", None
     return "end_turn", None

@@ -22,6 +22,7 @@ from mlxcel.runtime.errors import NotFound
 from mlxcel.runtime.messages import SchedulerInbox
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
+from mlxcel.runtime.system import LongLived
 
 
 @attrs.define
@@ -39,6 +40,8 @@ class ServerContext:
     tool_format: ToolFormat | None = None
     created: int = attrs.field(factory=lambda: int(time.time()))
     ready: bool = False
+    # Realtime WebSockets, closed by the drain with a reason (``runtime.system``).
+    long_lived: LongLived = attrs.field(factory=LongLived)
     # Side models on their own worker threads (None when not loaded). With generation False
     # (-m <embedder> or <cross-encoder>) no chat model runs: admission answers 501.
     embedder: Embedder | None = None

@@ -26,7 +26,7 @@ from mlxcel.actors.realtime.protocol import VoiceChat
 from mlxcel.actors.realtime.vad import shared_model
 from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
 from mlxcel.http.context import ServerContext, server
-from mlxcel.http.errors import envelope
+from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.security import UNAUTHORIZED, key_ok
 from mlxcel.models import blas
 from mlxcel.runtime.errors import (
@@ -34,6 +34,7 @@ from mlxcel.runtime.errors import (
     InvalidRequest,
     MlxcelError,
     NotImplementedRoute,
+    ShuttingDown,
 )
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ def _refusal() -> Response | None:
     if missing is not None:
         error = NotImplementedRoute(f"The realtime voice WebSocket needs {missing}.")
         return Response(json.dumps(envelope(error)), status=501, content_type="application/json")
+    if ctx.admission.draining:
+        return error_response(ShuttingDown())
     protocol = websocket.args.get("protocol")
     if protocol not in (None, "openai", "voicechat"):
         error = InvalidRequest("protocol must be openai or voicechat", param="protocol")
@@ -175,7 +178,7 @@ async def realtime() -> Response | None:
         # cores. On all of them, each matmul of a step waits for its slowest thread, and
         # that thread is the one sharing a core with Piper (8 sessions for 150 s on 2 cores:
         # 16 of 120 answers heard before the next question, 101 on half; performance.md).
-        with blas.fewer_threads(SPEECH_SHARE):
+        with blas.fewer_threads(SPEECH_SHARE), ctx.long_lived.hold(session.shut_down):
             await session.run()
         log.info("realtime %s closed", session.id)
     finally:

@@ -13,7 +13,8 @@ status code and to the error envelope of the API family that was called, in one 
     │   └── PayloadTooLarge          413
     ├── ServiceError                 the server cannot serve it now (5xx)
     │   ├── ServerBusy               503: admission queue full (before any SSE byte)
-    │   ├── Unavailable              503: model loading, or the server is shutting down
+    │   ├── Unavailable              503: model loading
+    │   │   └── ShuttingDown         503: draining after SIGTERM (with Retry-After)
     │   ├── NotImplementedRoute      501: a route whose model kind is not loaded
     │   └── Timeout                  504
     └── InternalError                500: a bug or a failed computation
@@ -90,6 +91,15 @@ class ServerBusy(ServiceError):
 class Unavailable(ServiceError):
     status = 503
     error_type = "unavailable_error"
+
+
+class ShuttingDown(Unavailable):
+    # Behind a load balancer the retry lands on another replica; /health already answers
+    # 503, so this one is about to leave the rotation.
+    retry_after = 1
+
+    def __init__(self, message: str = "The server is shutting down.") -> None:
+        super().__init__(message)
 
 
 class NotImplementedRoute(ServiceError):

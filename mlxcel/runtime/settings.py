@@ -35,7 +35,9 @@ class Settings:
     join_window: float = 0.5
     sse_ping_interval: float = 30.0
     warmup: bool = True
-    graceful_timeout: float = 30.0
+    # The whole drain after SIGTERM, endings included: inside Kubernetes' default 30 s
+    # termination grace period, so its SIGKILL never cuts a stream.
+    graceful_timeout: float = 25.0
     keep_quantized: bool = False
     verbose: int = 0
     cache_dir: Path = attrs.field(factory=default_cache_dir)

@@ -153,6 +153,8 @@ class OutputSlot:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.cancelled = False
+        # Ended by the shutdown drain, not by the model or the request's own limits.
+        self.interrupted = False
 
     @property
     def n(self) -> int:
@@ -228,6 +230,26 @@ class OutputSlot:
         self._accepted.set()
         self._placed.set()
         self._wake.set()
+
+    def interrupt(self, error: MlxcelError) -> None:
+        """The server is shutting down: end the request now, as a client would see it end.
+
+        A request still being tokenized has sent nothing yet, so it fails with ``error`` (a
+        503 before any byte). One that was accepted ends like a request that reached its
+        token limit: every unfinished choice finishes with "length" and keeps the text it
+        has, so each API family closes its response with its usual final event. The
+        generation itself is aborted at the next step boundary.
+        """
+        if self.done:
+            return
+        self.interrupted = True
+        if not self._accepted.is_set():
+            self.fail(error)
+        else:
+            for i, c in enumerate(self._choices):
+                if c.finish is None:
+                    self.finish("length", choice=i)
+        self._aborts.notify(self.request_id)
 
     @property
     def done(self) -> bool:

@@ -50,6 +50,7 @@ def test_full_queue_is_503_before_any_byte(single_slot_server: ServerProcess) ->
                 assert r.status_code == 503, r.text
                 assert r.headers["content-type"].startswith("application/json")
                 assert r.json()["error"]["type"] == "server_busy"
+                assert r.headers["Retry-After"] == "1"
                 # Liveness is not saturation: /health stays 200 while the queue is full.
                 assert httpx.get(f"{single_slot_server.base_url}/health").status_code == 200
                 assert next(running_lines) is not None  # both are still being served
@@ -119,16 +120,19 @@ def test_sigterm_with_only_idle_keepalive_connections_exits_at_once(tiny_model_d
     server.stop()
 
 
-def test_sigterm_aborts_requests_past_the_graceful_timeout(tiny_model_dir: Path) -> None:
+def test_sigterm_ends_requests_past_the_graceful_timeout(tiny_model_dir: Path) -> None:
     server = ServerProcess(["-m", str(tiny_model_dir), "--graceful-timeout", "1", "-c", "8192"])
     url = f"{server.base_url}/v1/chat/completions"
     done = threading.Event()
+    result: dict[str, Any] = {}
 
     def endless() -> None:
         try:
-            httpx.post(url, json=chat_body(max_tokens=8000, ignore_eos=True), timeout=120)
-        except httpx.HTTPError:
-            pass
+            result["r"] = httpx.post(
+                url, json=chat_body(max_tokens=8000, ignore_eos=True), timeout=120
+            )
+        except httpx.HTTPError as error:
+            result["error"] = error
         done.set()
 
     threading.Thread(target=endless, daemon=True).start()
@@ -139,6 +143,11 @@ def test_sigterm_aborts_requests_past_the_graceful_timeout(tiny_model_dir: Path)
     assert time.monotonic() - tic < 15
     assert done.wait(10)
     server.stop()
+    # Cut by the drain, but answered: the text so far, as if max_tokens had been reached.
+    assert "error" not in result, result
+    assert result["r"].status_code == 200
+    assert result["r"].json()["choices"][0]["finish_reason"] == "length"
+    assert 0 < result["r"].json()["usage"]["completion_tokens"] < 8000
 
 
 def test_bad_model_path_is_a_clear_error_without_traceback(tmp_path: Path) -> None:

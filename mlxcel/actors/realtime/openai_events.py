@@ -288,7 +288,7 @@ class OpenAIRealtime(CommonEvents):
     def error(self, code: str, message: str, param: str | None) -> Event:
         kind = (
             "server_error"
-            if code in ("inference_error", "server_busy")
+            if code in ("inference_error", "server_busy", "server_shutting_down")
             else "invalid_request_error"
         )
         return {
