@@ -68,12 +68,12 @@ class AudioUploadRequest(TrioRequest):
 @bp.errorhandler(RequestEntityTooLarge)
 async def _too_large(error: RequestEntityTooLarge) -> Response:
     limit = request.max_content_length
-    return error_response(
-        PayloadTooLarge(
-            f"Request body larger than {limit} bytes: audio files may be up to "
-            f"{wire.MAX_FILE_BYTES // (1024 * 1024)} MiB."
-        )
-    )
+    if request.path.rstrip("/").endswith(UPLOAD_PATHS):
+        hint = f": audio files may be up to {wire.MAX_FILE_BYTES // (1024 * 1024)} MiB."
+    else:
+        # /v1/audio/speech takes JSON, held to --max-request-bytes like any other route.
+        hint = " (see --max-request-bytes)"
+    return error_response(PayloadTooLarge(f"Request body larger than {limit} bytes{hint}"))
 
 
 # -- helpers ----------------------------------------------------------------------------------
