@@ -23,12 +23,12 @@ from mlxcel.http import (
     security,
     sse,
     streams,
+    transport,
 )
 from mlxcel.http import realtime as realtime_ws
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import (
     Family,
-    drain_body,
     error_response,
     is_anthropic_path,
     unexpected,
@@ -56,6 +56,10 @@ async def _check_headers() -> None:
 
 def create_app(ctx: ServerContext) -> QuartTrio:
     app = QuartTrio("mlxcel")
+    # Keep-alive connections survive answers sent before the body was read, and a body over the
+    # limit gets its 413 and a closed connection (see transport.py).
+    app.asgi_http_class = transport.Connection
+    app.after_request(transport.settle_body)
     # The audio upload routes take 25 MiB bodies whatever --max-request-bytes says.
     app.request_class = audio.AudioUploadRequest
     app.config["MLXCEL"] = ctx
@@ -86,14 +90,11 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:
-        await drain_body()
         return error_response(error, _family())
 
     @app.errorhandler(HTTPException)
     async def _http(error: HTTPException) -> Response:
         code = error.code or 500
-        if code != 413:
-            await drain_body()
         mapped: MlxcelError
         if code == 404:
             mapped = NotFound(f"Route {request.method} {request.path} not found")
@@ -109,7 +110,6 @@ def create_app(ctx: ServerContext) -> QuartTrio:
 
     @app.errorhandler(Exception)
     async def _other(error: Exception) -> Response:
-        await drain_body()
         return error_response(unexpected(error), _family())
 
     return app

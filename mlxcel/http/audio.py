@@ -28,7 +28,7 @@ from mlxcel.actors.audio.stt import SpeechToText
 from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.http import audio_wire as wire
 from mlxcel.http.context import ServerContext, server
-from mlxcel.http.errors import drain_body, error_response
+from mlxcel.http.errors import error_response
 from mlxcel.runtime.errors import (
     InvalidRequest,
     NotFound,
@@ -68,12 +68,12 @@ class AudioUploadRequest(TrioRequest):
 @bp.errorhandler(RequestEntityTooLarge)
 async def _too_large(error: RequestEntityTooLarge) -> Response:
     limit = request.max_content_length
-    return error_response(
-        PayloadTooLarge(
-            f"Request body larger than {limit} bytes: audio files may be up to "
-            f"{wire.MAX_FILE_BYTES // (1024 * 1024)} MiB."
-        )
-    )
+    if request.path.rstrip("/").endswith(UPLOAD_PATHS):
+        hint = f": audio files may be up to {wire.MAX_FILE_BYTES // (1024 * 1024)} MiB."
+    else:
+        # /v1/audio/speech takes JSON, held to --max-request-bytes like any other route.
+        hint = " (see --max-request-bytes)"
+    return error_response(PayloadTooLarge(f"Request body larger than {limit} bytes{hint}"))
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -81,7 +81,6 @@ async def _too_large(error: RequestEntityTooLarge) -> Response:
 
 async def _stt(ctx: ServerContext) -> SpeechToText:
     if ctx.stt is None:
-        await drain_body()
         raise NotImplementedRoute(
             "audio model kind not loaded: stt. This server has no speech-to-text model; start "
             "it without --no-audio, with --stt-model <model>."
@@ -91,7 +90,6 @@ async def _stt(ctx: ServerContext) -> SpeechToText:
 
 async def _tts(ctx: ServerContext) -> TextToSpeech:
     if ctx.tts is None:
-        await drain_body()
         raise NotImplementedRoute(
             "audio model kind not loaded: tts. This server has no text-to-speech voice; start "
             "it without --no-audio, with --tts-model <voice> (or install piper-tts / espeak-ng)."

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
 from typing import Literal
 
-from quart import Response, has_request_context, request
-from werkzeug.exceptions import RequestEntityTooLarge
+from quart import Response
 
 from mlxcel.runtime.errors import InternalError, MlxcelError
 
@@ -78,13 +76,3 @@ def error_response(error: MlxcelError, family: Family = "openai") -> Response:
 def unexpected(error: BaseException) -> MlxcelError:
     log.exception("unexpected error while serving a request", exc_info=error)
     return InternalError(f"Internal server error: {type(error).__name__}")
-
-
-async def drain_body() -> None:
-    """Read what is left of the request body before an error answer goes out: Hypercorn leaves a
-    keep-alive connection hanging when the response is sent before the request body was read,
-    so the client's next request on it would time out. (A body over the size limit is not read;
-    its 413 closes the connection.)"""
-    if has_request_context():
-        with contextlib.suppress(RequestEntityTooLarge):
-            await request.get_data(cache=False)

@@ -20,7 +20,7 @@ import json
 
 from quart import Quart, Response, request
 
-from mlxcel.http.errors import drain_body, error_response, is_anthropic_path
+from mlxcel.http.errors import error_response, is_anthropic_path
 from mlxcel.runtime.errors import AuthenticationFailed
 from mlxcel.runtime.settings import Settings
 
@@ -83,7 +83,6 @@ def install(app: Quart, settings: Settings) -> None:
             return response
         if settings.api_keys and request.path not in PUBLIC_PATHS:
             if not key_ok(presented_key(), settings.api_keys):
-                await drain_body()
                 if request.blueprint == "anthropic" or is_anthropic_path(request.path):
                     # Anthropic SDKs read their own envelope: {"type": "error", "error": {...}}.
                     return error_response(AuthenticationFailed("Invalid API Key"), "anthropic")

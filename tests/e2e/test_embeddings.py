@@ -121,6 +121,28 @@ def test_bad_embedding_requests_are_400_in_the_openai_envelope(
     )
 
 
+def test_chunked_bodies_over_and_under_the_limit(side_server: ServerProcess) -> None:
+    # Sent chunked (no Content-Length): past --max-request-bytes it is a 413 in the OpenAI
+    # envelope, on the native route too, and a small one is served.
+    def big() -> Iterator[bytes]:
+        yield b'{"input": "'
+        for _ in range(40):
+            yield b"a " * 32768
+        yield b'"}'
+
+    def small() -> Iterator[bytes]:
+        yield b'{"input": '
+        yield b'"a small text"}'
+
+    with httpx.Client(base_url=side_server.base_url, timeout=10) as client:
+        for path in ("/v1/embeddings", "/embedding"):
+            r = client.post(path, content=big(), headers={"content-type": "application/json"})
+            assert r.status_code == 413
+            assert "--max-request-bytes" in r.json()["error"]["message"]
+            r = client.post(path, content=small(), headers={"content-type": "application/json"})
+            assert r.status_code == 200
+
+
 def test_native_embedding_routes_return_a_bare_nested_array(side_server: ServerProcess) -> None:
     for path in ("/embedding", "/embeddings"):
         out = httpx.post(f"{side_server.base_url}{path}", json={"content": ["one", "two"]}).json()

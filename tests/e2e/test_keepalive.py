@@ -1,6 +1,9 @@
-"""An error answered before the body is read must not wedge the keep-alive connection."""
+"""Keep-alive connections: an early answer must not wedge them; idle ones close after --timeout."""
 
 from __future__ import annotations
+
+import socket
+import time
 
 import httpx
 
@@ -31,5 +34,25 @@ def test_next_request_after_a_401(tiny_model_dir: object) -> None:
                 assert r.status_code == 401
                 ok = client.get("/v1/models", headers={"Authorization": "Bearer k"})
                 assert ok.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_idle_keep_alive_connection_closes_after_timeout(tiny_model_dir: object) -> None:
+    # --timeout is the keep-alive timeout. Its timer is restarted when a request ends, and
+    # that restart used to be cancelled, so a connection idle after its first request stayed
+    # open for ever.
+    server = ServerProcess(["-m", str(tiny_model_dir), "--timeout", "2", "--no-audio"])
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'{"status":"ok"}'):
+                more = s.recv(1024)
+                assert more, answer
+                answer += more
+            tic = time.monotonic()
+            assert s.recv(1024) == b""
+            assert 1.5 < time.monotonic() - tic < 6
     finally:
         server.stop()
