@@ -71,17 +71,26 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise InvalidRequest("logit_bias must map token ids to biases", param="logit_bias")
     out = []
     for token, bias in pairs:
-        try:
+        # An integer, or its decimal string (JSON object keys are strings); never a float or
+        # a boolean that int() would quietly round or turn into 1.
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit() and len(token) < 20:
             token_id = int(token)
-        except (TypeError, ValueError):
+        elif isinstance(token, int) and not isinstance(token, bool):
+            token_id = token
+        else:
             raise InvalidRequest(
-                f"logit_bias key {token!r} is not a token id", param="logit_bias"
-            ) from None
+                f"logit_bias key {str(token)[:40]!r} is not a token id", param="logit_bias"
+            )
         if bias is False:
             bias = -math.inf
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise InvalidRequest(f"logit_bias for {token_id} must be a number", param="logit_bias")
-        out.append((token_id, float(bias)))
+        try:
+            out.append((token_id, float(bias)))
+        except OverflowError:  # an integer too large for a float
+            raise InvalidRequest(
+                f"logit_bias for {token_id} must be a finite number", param="logit_bias"
+            ) from None
     return tuple(out)
 
 
