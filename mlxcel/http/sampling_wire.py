@@ -63,6 +63,7 @@ _SAME = (
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} or llama.cpp's [[id, bias | false], ...] (false bans)."""
     pairs: list[tuple[Any, Any]]
+    keyed = isinstance(value, dict)
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
@@ -71,9 +72,10 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise InvalidRequest("logit_bias must map token ids to biases", param="logit_bias")
     out = []
     for token, bias in pairs:
-        # An integer, or its decimal string (JSON object keys are strings); never a float or
-        # a boolean that int() would quietly round or turn into 1.
-        if isinstance(token, str) and token.strip().lstrip("-").isdigit() and len(token) < 20:
+        # An integer, or (as an object key, which JSON makes a string) its decimal string;
+        # never a float or a boolean that int() would quietly round or turn into 1. A string
+        # in llama.cpp's list form is text to tokenize there, which this server does not do.
+        if keyed and isinstance(token, str) and token.lstrip("-").isdigit() and len(token) < 20:
             token_id = int(token)
         elif isinstance(token, int) and not isinstance(token, bool):
             token_id = token

@@ -165,6 +165,12 @@ def test_logit_bias_keys_must_be_token_ids_in_the_vocabulary(server: str, key: s
     refused(server, "/v1/completions", body, "logit_bias")
 
 
+def test_llama_cpp_logit_bias_ids_are_never_rounded(server: str) -> None:
+    for token in (1.5, True, "1", None):
+        body = {"prompt": "hi", "n_predict": 1, "logit_bias": [[token, 1]]}
+        refused(server, "/completion", body, "logit_bias")
+
+
 def test_a_logit_bias_too_large_for_a_float_is_a_400(server: str) -> None:
     refused(server, "/completion", {"prompt": "hi", "logit_bias": [[1, 10**400]]}, "logit_bias")
 
