@@ -23,7 +23,6 @@ went away, the server stops) aborts the running answer and returns.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol, cast
@@ -53,7 +52,8 @@ from mlxcel.actors.realtime.config import (
 from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
 from mlxcel.actors.realtime.sentences import SentenceSplitter
 from mlxcel.actors.realtime.vad import SileroModel, VadStream
-from mlxcel.runtime.errors import MlxcelError
+from mlxcel.runtime import json_input
+from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import ChatPrompt, GenerationRequest, SamplingParams
 from mlxcel.runtime.truncation import budget, first_kept
 
@@ -283,9 +283,10 @@ class RealtimeSession:
                 self._error("invalid_request", "message must be a JSON object")
                 continue
             try:
-                event = json.loads(message)
-            except ValueError:
-                event = None
+                event = json_input.loads(message, where="the event")
+            except InvalidRequest as error:  # not JSON, too deep, or a lone surrogate
+                self._error("invalid_request", error.message, error.param)
+                continue
             if not isinstance(event, dict):
                 self._error("invalid_request", "message must be a JSON object")
                 continue

@@ -22,9 +22,9 @@ from mlxcel.http import sse
 from mlxcel.http.anthropic_blocks import BlockStream, content, stop_reason, usage
 from mlxcel.http.anthropic_wire import MessagesRequest, messages_request
 from mlxcel.http.chat_render import Collected
-from mlxcel.http.context import ServerContext, server
+from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import envelope
-from mlxcel.http.openai import read_json, start_generation
+from mlxcel.http.openai import start_generation
 from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import ForcedToolCall
 from mlxcel.runtime.slot import OutputSlot

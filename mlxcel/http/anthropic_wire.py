@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from mlxcel.actors.admission import MAX_STOP_STRINGS
+from mlxcel.actors.grammars import schema_grammar
 from mlxcel.http.openai_wire import MAX_TOOLS, PLAIN_SAMPLING
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.runtime.codec import structure
@@ -243,6 +244,9 @@ def _messages(value: Any, system: Any) -> tuple[tuple[dict[str, object], ...], b
         if not isinstance(msg, dict):
             raise InvalidRequest(f"{at}: must be an object", param=at)
         role, content = msg.get("role"), msg.get("content")
+        for key in sorted(set(msg) - {"role", "content"}):
+            # Anthropic's own answer to an extra key: a message is role and content only.
+            raise InvalidRequest(f"{at}.{key}: Extra inputs are not permitted", param=f"{at}.{key}")
         if content is None:
             raise InvalidRequest(f"{at}.content: is required", param=f"{at}.content")
         if role == "user":
@@ -296,8 +300,11 @@ def _tools(value: Any) -> tuple[dict[str, object], ...] | None:
                 f"{at}.input_schema: must be a JSON schema object", param=f"{at}.input_schema"
             )
         fn: dict[str, object] = {"name": name, "parameters": schema}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise InvalidRequest(f"{at}.description: must be a string", param=f"{at}.description")
+        if description is not None:
+            fn["description"] = description
         out.append({"type": "function", "function": fn})
     return tuple(out) or None
 
@@ -398,7 +405,9 @@ def _output_config(value: Any) -> tuple[dict[str, object], JsonSchemaFormat | No
             "output_config.format.schema: must be a JSON schema object",
             param="output_config.format.schema",
         )
-    return kwargs, JsonSchemaFormat(schema_json=json.dumps(fmt["schema"]), strict=True)
+    schema_json = json.dumps(fmt["schema"])
+    schema_grammar(schema_json, param="output_config.format.schema")  # 400 now, not mid-run
+    return kwargs, JsonSchemaFormat(schema_json=schema_json, strict=True)
 
 
 def _stop_sequences(value: Any) -> tuple[str, ...]:

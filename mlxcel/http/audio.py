@@ -27,7 +27,7 @@ from mlxcel.actors.audio.encode import SpeechEncoder, available_formats
 from mlxcel.actors.audio.stt import SpeechToText
 from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.http import audio_wire as wire
-from mlxcel.http.context import ServerContext, server
+from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import error_response
 from mlxcel.runtime.errors import (
     InvalidRequest,
@@ -258,7 +258,6 @@ def _speech_request(body: Any, tts: TextToSpeech) -> tuple[str, str, str, float]
 @bp.post("/v1/audio/speech")
 @bp.post("/audio/speech")
 async def speech() -> Response:
-    from mlxcel.http.openai import read_json
 
     ctx = server()
     tts = await _tts(ctx)

@@ -16,10 +16,10 @@ import attrs
 from quart import Blueprint, Response
 
 from mlxcel.http import logprobs, sse, structured_wire
-from mlxcel.http.context import ServerContext, server
+from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import envelope
-from mlxcel.http.openai import read_json, start_generation
-from mlxcel.http.openai_wire import new_id
+from mlxcel.http.openai import start_generation
+from mlxcel.http.openai_wire import new_id, token_ids
 from mlxcel.http.ops import NotSupported, request_settings
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.http.security import key_scope
@@ -93,15 +93,15 @@ class InfillBody(NativeCompletionBody):
     input_extra: list[dict[str, str]] | None = None
 
 
-def _prompt(value: Any) -> Prompt:
+def _prompt(value: Any, vocab: int) -> Prompt:
+    """llama-server's one prompt: a string or token ids, either alone or as the only element
+    of a list (one level: a deeper nesting is not a prompt)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
     if isinstance(value, str):
         return TextPrompt(text=value)
-    if isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        return TokensPrompt(tokens=tuple(value))
-    if isinstance(value, list) and len(value) == 1:
-        return _prompt(value[0])
+    if isinstance(value, list):
+        return TokensPrompt(tokens=token_ids(value, vocab, "prompt"))
     raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
 
 
@@ -339,7 +339,7 @@ def _stream(ctx: ServerContext, call: _Call, slot: OutputSlot) -> Response:
 @bp.post("/completions")
 async def completion() -> Response:
     body = structure(await read_json(), NativeCompletionBody)
-    return await _run(body, _prompt(body.prompt))
+    return await _run(body, _prompt(body.prompt, len(server().info.tokenizer)))
 
 
 @bp.post("/infill")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import attrs
 import trio
-from quart import current_app
+from quart import current_app, request
 
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.stt import SpeechToText
@@ -18,6 +19,7 @@ from mlxcel.actors.session_store import SessionStore
 from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import ToolFormat
+from mlxcel.runtime import json_input
 from mlxcel.runtime.errors import NotFound
 from mlxcel.runtime.messages import SchedulerInbox
 from mlxcel.runtime.metrics import Metrics
@@ -86,3 +88,9 @@ class ServerContext:
 def server() -> ServerContext:
     ctx: ServerContext = current_app.config["MLXCEL"]
     return ctx
+
+
+async def read_json() -> Any:
+    """The request body as JSON, read by the one strict reader (json_input): every route's
+    malformed, too deep or invalid-Unicode body is the same 400."""
+    return json_input.loads(await request.get_data())

@@ -13,8 +13,7 @@ import json
 
 from quart import Blueprint, Response
 
-from mlxcel.http.context import server
-from mlxcel.http.openai import read_json
+from mlxcel.http.context import read_json, server
 from mlxcel.http.security import key_scope
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import EndReasoning

@@ -13,8 +13,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from mlxcel.http.context import server
-from mlxcel.http.openai import read_json
+from mlxcel.http.context import read_json, server
 from mlxcel.http.openai_wire import check_metadata
 from mlxcel.http.responses import CONVERSATIONS_OFF, _json, new_conversation, page, store_of
 from mlxcel.http.responses_wire import input_items, new_id

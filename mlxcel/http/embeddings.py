@@ -18,10 +18,10 @@ from typing import Any
 import attrs
 import numpy as np
 from numpy.typing import NDArray
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response
 
 from mlxcel.actors.embedder import Embedder, EmbedderInfo
-from mlxcel.http.context import ServerContext, server
+from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, NotImplementedRoute
 from mlxcel.runtime.messages import EmbedInput
@@ -183,14 +183,6 @@ def normalize(vectors: np.ndarray, mode: int) -> np.ndarray:
     else:
         norm = (np.abs(v) ** mode).sum(axis=1, keepdims=True) ** (1.0 / mode)
     return (v / np.maximum(norm, 1e-9)).astype(np.float32)
-
-
-async def read_json() -> Any:
-    raw = await request.get_data()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise InvalidRequest(f"Invalid JSON in request body: {error}") from None
 
 
 def rank(scores: list[float], top_n: int | None = None) -> list[int]:

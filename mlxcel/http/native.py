@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import trio
 from quart import Blueprint, Response
 
 from mlxcel.actors.side_models import require_generation
 from mlxcel.actors.token_bytes import piece_for_json, token_bytes
-from mlxcel.http.context import server
-from mlxcel.http.openai import read_json, render_chat
+from mlxcel.http.context import read_json, server
+from mlxcel.http.openai import render_chat
+from mlxcel.http.openai_wire import token_ids
+from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import ResetCache
 
@@ -25,11 +28,19 @@ def _json(obj: object) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{name}' must be a boolean", param=name)
-    return value
+@attrs.frozen(kw_only=True)
+class TokenizeBody:
+    content: str = ""
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+    model: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DetokenizeBody:
+    tokens: Any = attrs.field(factory=list)
+    model: str | None = None
 
 
 async def _object_body() -> dict[str, Any]:
@@ -41,24 +52,22 @@ async def _object_body() -> dict[str, Any]:
 
 @bp.post("/tokenize")
 async def tokenize() -> Response:
-    body = await _object_body()
-    content = body.get("content", "")
-    if not isinstance(content, str):
-        raise InvalidRequest("'content' must be a string", param="content")
-    add_special = _flag(body, "add_special", False)
-    parse_special = _flag(body, "parse_special", True)
-    with_pieces = _flag(body, "with_pieces", False)
-    tok = server().info.tokenizer
+    body = structure(await read_json(), TokenizeBody)
+    ctx = server()
+    ctx.check_model(body.model)  # as every other route: an unknown name is a 404
+    tok = ctx.info.tokenizer
 
     def encode() -> list[int]:
         return list(
             tok.encode(
-                content, add_special_tokens=add_special, split_special_tokens=not parse_special
+                body.content,
+                add_special_tokens=body.add_special,
+                split_special_tokens=not body.parse_special,
             )
         )
 
     ids = await trio.to_thread.run_sync(encode)
-    if not with_pieces:
+    if not body.with_pieces:
         return _json({"tokens": ids})
     special = set(getattr(tok, "all_special_ids", ()))
     pieces = [{"id": i, "piece": piece_for_json(token_bytes(tok, i, i in special))} for i in ids]
@@ -67,16 +76,11 @@ async def tokenize() -> Response:
 
 @bp.post("/detokenize")
 async def detokenize() -> Response:
-    body = await _object_body()
-    ids = body.get("tokens", [])
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in ids
-    ):
-        raise InvalidRequest("'tokens' must be a list of token ids", param="tokens")
-    tok = server().info.tokenizer
-    vocab = len(tok)
-    if any(i < 0 or i >= vocab for i in ids):
-        raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
+    body = structure(await read_json(), DetokenizeBody)
+    ctx = server()
+    ctx.check_model(body.model)
+    tok = ctx.info.tokenizer
+    ids = list(token_ids(body.tokens, len(tok), "tokens"))
     text = await trio.to_thread.run_sync(lambda: tok.decode(ids, skip_special_tokens=False))
     return _json({"content": text})
 

@@ -24,7 +24,7 @@ from mlxcel.http import logprobs, sse
 from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.audio import audio_model_entries
 from mlxcel.http.chat_render import Collected, message, stream_choices
-from mlxcel.http.context import ServerContext, server
+from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.embeddings import side_model_entries
 from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
@@ -39,14 +39,6 @@ bp = Blueprint("openai", __name__)
 # choice for a finish reason (its index is set by the caller).
 RenderFn = Callable[[SlotUpdate], list[dict[str, Any]]]
 FinishFn = Callable[[str], dict[str, Any]]
-
-
-async def read_json() -> Any:
-    raw = await request.get_data()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise InvalidRequest(f"Invalid JSON in request body: {error}") from None
 
 
 def _usage(slot: OutputSlot, ctx: ServerContext) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -10,6 +9,7 @@ import attrs
 
 from mlxcel.http import structured_wire
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
+from mlxcel.runtime import json_input
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
 from mlxcel.runtime.messages import (
@@ -122,6 +122,18 @@ def _stop(value: Any) -> tuple[str, ...]:
     raise InvalidRequest("stop must be a string or a list of strings", param="stop")
 
 
+def token_ids(value: Any, vocab: int, param: str) -> tuple[int, ...]:
+    """A list of token ids, each in [0, vocab): a 400 naming ``param`` before any work, so an
+    id no tokenizer or embedding row has never reaches one."""
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise InvalidRequest(f"{param} must be a list of token ids (integers)", param=param)
+    if any(not 0 <= t < vocab for t in value):
+        raise InvalidRequest(f"{param}: token ids must be in [0, {vocab})", param=param)
+    return tuple(value)
+
+
 MAX_METADATA = 16
 
 
@@ -197,6 +209,8 @@ def _content(content: Any, where: str) -> str | None:
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise InvalidRequest(f"{at}.type must be a string", param=f"{at}.type")
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind in MEDIA_PARTS:
@@ -206,15 +220,14 @@ def _content(content: Any, where: str) -> str | None:
     return "\n".join(texts)
 
 
-def _template_call(call: Any) -> Any:
+def _template_call(call: Any, at: str) -> Any:
     """OpenAI sends arguments as a JSON string; chat templates expect the object."""
     if isinstance(call, dict) and isinstance(call.get("function"), dict):
         fn = dict(call["function"])
         if isinstance(fn.get("arguments"), str):
-            try:
-                fn["arguments"] = json.loads(fn["arguments"])
-            except ValueError:
-                pass
+            fn["arguments"] = json_input.loads_or_text(
+                fn["arguments"], where=f"{at}.function.arguments"
+            )
         return {**call, "function": fn}
     return call
 
@@ -228,14 +241,16 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
         if not isinstance(msg, dict):
             raise InvalidRequest(f"{at} must be an object", param=at)
         role = msg.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise InvalidRequest(f"{at}.role must be one of {sorted(ROLES)}", param=f"{at}.role")
         for key, val in msg.items():
             if key not in MESSAGE_KEYS and not (key in NULLABLE_ECHO_KEYS and not val):
                 raise UnsupportedField(f"{at}.{key}")
         rendered: dict[str, object] = {k: v for k, v in msg.items() if k in MESSAGE_KEYS}
         if isinstance(msg.get("tool_calls"), list):
-            rendered["tool_calls"] = [_template_call(c) for c in msg["tool_calls"]]
+            rendered["tool_calls"] = [
+                _template_call(c, f"{at}.tool_calls[{j}]") for j, c in enumerate(msg["tool_calls"])
+            ]
         rendered["role"] = "system" if role == "developer" else role
         rendered["content"] = _content(msg.get("content"), f"{at}.content") or ""
         out.append(rendered)
@@ -397,11 +412,28 @@ def _tools(
             raise InvalidRequest("only function tools are supported", param=f"tools[{i}].type")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequest("a function tool needs a name", param=f"tools[{i}].function.name")
+        check_tool_fields(fn, f"tools[{i}].function")
     names = [t["function"]["name"] for t in body.tools]
     parse, forced = structured_wire.tool_choice(
         body.tool_choice, names, parallel=body.parallel_tool_calls
     )
     return tuple(body.tools), parse, forced
+
+
+# The types templates and tool-call parsers assume of a function tool's optional fields.
+TOOL_FIELD_TYPES: dict[str, tuple[type, str]] = {
+    "description": (str, "a string"),
+    "parameters": (dict, "a JSON schema object"),
+    "strict": (bool, "a boolean"),
+}
+
+
+def check_tool_fields(fn: dict[str, Any], at: str) -> None:
+    """A 400 naming the first optional function-tool field of the wrong type."""
+    for key, (kind, what) in TOOL_FIELD_TYPES.items():
+        value = fn.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise InvalidRequest(f"{at}.{key} must be {what}", param=f"{at}.{key}")
 
 
 def _chat_logprobs(body: ChatCompletionBody) -> int | None:

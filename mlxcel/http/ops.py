@@ -12,10 +12,9 @@ from quart import Blueprint, Response, request
 
 from mlxcel import __version__
 from mlxcel.http.audio import audio_capabilities
-from mlxcel.http.context import ServerContext, server
+from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.embeddings import capabilities_props
 from mlxcel.http.errors import error_response
-from mlxcel.http.openai import read_json
 from mlxcel.runtime.errors import (
     FeatureDisabled,
     InvalidRequest,

@@ -25,8 +25,8 @@ from quart import Blueprint, Response, request
 from mlxcel.actors.session_store import Running, SessionStore
 from mlxcel.actors.side_models import require_generation
 from mlxcel.http import sse
-from mlxcel.http.context import ServerContext, server
-from mlxcel.http.openai import read_json, start_generation
+from mlxcel.http.context import ServerContext, read_json, server
+from mlxcel.http.openai import start_generation
 from mlxcel.http.responses_output import OutputBuilder, response_object, usage
 from mlxcel.http.responses_wire import (
     ResponsesBody,

@@ -15,8 +15,10 @@ from typing import Any
 
 import attrs
 
-from mlxcel.http.openai_wire import MAX_TOOLS, PLAIN_SAMPLING, check_metadata
+from mlxcel.actors.grammars import schema_grammar
+from mlxcel.http.openai_wire import MAX_TOOLS, PLAIN_SAMPLING, check_metadata, check_tool_fields
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
+from mlxcel.runtime import json_input
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
 from mlxcel.runtime.messages import (
@@ -154,6 +156,10 @@ def _item(item: Any, at: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise InvalidRequest(f"{at} must be an object", param=at)
     kind = item.get("type", "message" if "role" in item else None)
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{at}.type must be a string", param=f"{at}.type")
+    if item.get("id") is not None and not isinstance(item["id"], str):
+        raise InvalidRequest(f"{at}.id must be a string", param=f"{at}.id")
     if kind == "message":
         return _message_item(item, at)
     if kind == "function_call":
@@ -231,6 +237,8 @@ def _parts_text(content: Any, at: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            raise InvalidRequest(f"{at}[{j}].type must be a string", param=f"{at}[{j}].type")
         if kind in TEXT_PARTS:
             value = part.get("refusal" if kind == "refusal" else "text")
             if not isinstance(value, str):
@@ -287,10 +295,7 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, object]]:
 
 def _arguments(text: str) -> object:
     # Chat templates expect the arguments object, the wire carries a JSON string.
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+    return json_input.loads_or_text(text, where="function_call arguments")
 
 
 # --- tools and output format -------------------------------------------------------------------
@@ -323,9 +328,8 @@ def template_tools(value: Any) -> tuple[dict[str, object], ...] | None:
                 f"a function tool takes {', '.join(sorted(FUNCTION_TOOL_KEYS))}",
                 param=f"tools[{i}].{key}",
             )
+        check_tool_fields(tool, f"tools[{i}]")
         params = tool.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise InvalidRequest("parameters must be a JSON schema", param=f"tools[{i}].parameters")
         fn: dict[str, object] = {"name": tool["name"]}
         if tool.get("description") is not None:
             fn["description"] = tool["description"]
@@ -379,7 +383,9 @@ def output_format(value: Any) -> Constraint | None:
         schema = fmt.get("schema")
         if not isinstance(schema, dict):
             raise InvalidRequest("text.format.schema must be a JSON schema", param="text.format")
-        return JsonSchemaFormat(schema_json=json.dumps(schema), strict=bool(fmt.get("strict")))
+        schema_json = json.dumps(schema)
+        schema_grammar(schema_json, param="text.format")  # a 400 now, not a failed sequence
+        return JsonSchemaFormat(schema_json=schema_json, strict=bool(fmt.get("strict")))
     raise InvalidRequest(
         "text.format.type must be text, json_schema or json_object", param="text.format"
     )

@@ -63,6 +63,7 @@ _SAME = (
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} or llama.cpp's [[id, bias | false], ...] (false bans)."""
     pairs: list[tuple[Any, Any]]
+    keyed = isinstance(value, dict)
     if isinstance(value, dict):
         pairs = list(value.items())
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
@@ -71,17 +72,27 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise InvalidRequest("logit_bias must map token ids to biases", param="logit_bias")
     out = []
     for token, bias in pairs:
-        try:
+        # An integer, or (as an object key, which JSON makes a string) its decimal string;
+        # never a float or a boolean that int() would quietly round or turn into 1. A string
+        # in llama.cpp's list form is text to tokenize there, which this server does not do.
+        if keyed and isinstance(token, str) and token.lstrip("-").isdigit() and len(token) < 20:
             token_id = int(token)
-        except (TypeError, ValueError):
+        elif isinstance(token, int) and not isinstance(token, bool):
+            token_id = token
+        else:
             raise InvalidRequest(
-                f"logit_bias key {token!r} is not a token id", param="logit_bias"
-            ) from None
+                f"logit_bias key {str(token)[:40]!r} is not a token id", param="logit_bias"
+            )
         if bias is False:
             bias = -math.inf
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise InvalidRequest(f"logit_bias for {token_id} must be a number", param="logit_bias")
-        out.append((token_id, float(bias)))
+        try:
+            out.append((token_id, float(bias)))
+        except OverflowError:  # an integer too large for a float
+            raise InvalidRequest(
+                f"logit_bias for {token_id} must be a finite number", param="logit_bias"
+            ) from None
     return tuple(out)
 
 

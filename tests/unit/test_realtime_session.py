@@ -107,3 +107,26 @@ async def test_a_long_conversation_forgets_its_oldest_quarter_at_once() -> None:
     for i in range(drop - 1):  # no further drop until the cap is passed again
         session._remember(Item(f"later_{i}", "user", "q"))
     assert len(session._history) == MAX_HISTORY_ITEMS
+
+
+async def test_deep_or_invalid_unicode_events_are_errors_and_the_session_goes_on() -> None:
+    client = StuckClient()
+    sent: list[str] = []
+
+    async def reads(data: str) -> None:
+        sent.append(data)
+
+    client.send = reads  # type: ignore[method-assign]
+    session = RealtimeSession(client, deps(max_outbox_bytes=100_000), VoiceChat(22_050))
+    client.inbox_tx.send_nowait(json.dumps({"type": "session.update", "session": {}}))
+    client.inbox_tx.send_nowait('{"type": ' + "[" * 10_000 + "]" * 10_000 + "}")
+    client.inbox_tx.send_nowait(json.dumps({"type": "session.ping", "event_id": "a\ud800"}))
+    client.inbox_tx.send_nowait(json.dumps({"type": "session.ping"}))
+    client.inbox_tx.send_nowait(json.dumps({"type": "session.cancel"}))
+    with trio.fail_after(10):
+        await session.run()
+    errors = [json.loads(m)["error"] for m in sent if json.loads(m)["type"] == "error"]
+    assert "nests deeper than" in errors[0]["message"]
+    assert "lone surrogate" in errors[1]["message"] and errors[1]["param"] == "event_id"
+    assert any(json.loads(m)["type"] == "session.pong" for m in sent)
+    assert client.closed == (1000, "session cancelled")
