@@ -421,10 +421,12 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
             broken = len(tally.failures) - five  # unexpected 4xx, cut streams, broken sockets
             cache_mb = metric(text, "mlxcel_prompt_cache_bytes") / 2**20
             entries = metric(text, "mlxcel_prompt_cache_entries")
+            mlx_mb = metric(text, "mlxcel_mlx_active_bytes") / 2**20
             print(
                 f"  5xx {five}, broken {broken}, 503 without Retry-After {tally.bad_503}; "
-                f"idle after: {busy} slots busy, {queued} queued; rss {rss[-1]:.0f} MB; "
-                f"prompt cache {cache_mb:.0f} MB in {entries:.0f} entries; sanity {answer!r}",
+                f"idle after: {busy} slots busy, {queued} queued; rss {rss[-1]:.0f} MB "
+                f"(mlx arrays {mlx_mb:.0f} MB, of which prompt cache {cache_mb:.0f} MB in "
+                f"{entries:.0f} entries); sanity {answer!r}",
                 flush=True,
             )
             for failure in tally.failures[:10]:
