@@ -18,6 +18,7 @@ from mlxcel.http import (
     health,
     native,
     openai,
+    openapi,
     ops,
     responses,
     security,
@@ -87,6 +88,8 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.register_blueprint(streams.bp, url_prefix=prefix)
     app.register_blueprint(audio.bp, url_prefix=prefix)
     app.register_blueprint(realtime_ws.bp, url_prefix=prefix)
+    # At the root whatever --api-prefix says: the document lists the prefixed paths.
+    app.register_blueprint(openapi.bp)
 
     @app.errorhandler(MlxcelError)
     async def _mlxcel(error: MlxcelError) -> Response:

@@ -29,6 +29,7 @@ from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.http import audio_wire as wire
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import error_response
+from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import (
     InvalidRequest,
     NotFound,
@@ -47,9 +48,6 @@ TRANSCRIPTION_FIELDS = frozenset(
     {"model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]"}
 )
 TRANSLATION_FIELDS = frozenset({"model", "prompt", "response_format", "temperature"})
-SPEECH_FIELDS = frozenset(
-    {"model", "input", "voice", "response_format", "speed", "instructions", "stream_format"}
-)
 
 
 class AudioUploadRequest(TrioRequest):
@@ -215,50 +213,40 @@ async def translations() -> Response:
 # -- text to speech ---------------------------------------------------------------------------
 
 
-def _speech_request(body: Any, tts: TextToSpeech) -> tuple[str, str, str, float]:
-    if not isinstance(body, dict):
-        raise InvalidRequest("The body must be a JSON object")
-    unknown = sorted(set(body) - SPEECH_FIELDS)
-    if unknown:
-        raise UnsupportedField(unknown[0])
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("'model' must be a string", param="model")
-    _check_model(model, tts.model_id, wire.OPENAI_TTS_MODELS)
-    text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
+def _speech_request(data: Any, tts: TextToSpeech) -> tuple[str, str, str, float]:
+    body = structure(data, wire.SpeechBody)
+    _check_model(body.model, tts.model_id, wire.OPENAI_TTS_MODELS)
+    text = body.input
+    if not text.strip():
         raise InvalidRequest("'input' must be a non-empty string", param="input")
     if len(text) > wire.MAX_SPEECH_CHARS:
         raise InvalidRequest(
             f"'input' is longer than {wire.MAX_SPEECH_CHARS} characters", param="input"
         )
-    voice = body.get("voice")
+    voice = body.voice
     if isinstance(voice, dict):
         voice = voice.get("id")
     if voice is not None and not isinstance(voice, str):
         raise InvalidRequest("'voice' must be a voice name", param="voice")
     voice = tts.voice_for(voice)
-    if body.get("instructions"):
+    if body.instructions:
         raise UnsupportedField("instructions", "this voice cannot be steered by instructions")
-    if body.get("stream_format") not in (None, "audio"):
+    if body.stream_format not in (None, "audio"):
         raise UnsupportedField("stream_format", "only 'audio' (the file, chunked) is supported")
-    fmt = body.get("response_format", "mp3")
+    fmt = body.response_format or "mp3"
     formats = available_formats()
     if fmt not in formats:
         raise InvalidRequest(
             f"response_format must be one of {', '.join(formats)}; got {fmt!r}",
             param="response_format",
         )
-    speed = body.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)):
-        raise InvalidRequest("'speed' must be a number", param="speed")
-    return text, voice, fmt, tts.check_speed(float(speed))
+    speed = 1.0 if body.speed is None else body.speed
+    return text, voice, fmt, tts.check_speed(speed)
 
 
 @bp.post("/v1/audio/speech")
 @bp.post("/audio/speech")
 async def speech() -> Response:
-
     ctx = server()
     tts = await _tts(ctx)
     text, voice, fmt, speed = _speech_request(await read_json(), tts)
@@ -267,9 +255,12 @@ async def speech() -> Response:
     try:
         # The first sentence before the headers: a full queue or a timeout is still a status.
         first = await anext(chunks)
-    except BaseException:
+    except BaseException as error:
         encoder.close()
         await chunks.aclose()
+        if isinstance(error, StopAsyncIteration):
+            # Only control characters or symbols the voice has no sound for.
+            raise InvalidRequest("'input' has nothing the voice can speak", param="input") from None
         raise
 
     async def body() -> AsyncIterator[bytes]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import attrs
+
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import Transcription
 
@@ -49,6 +51,20 @@ LANGUAGE_NAMES = {
     "tt": "tatar", "haw": "hawaiian", "ln": "lingala", "ha": "hausa", "ba": "bashkir",
     "jw": "javanese", "su": "sundanese", "yue": "cantonese",
 }  # fmt: skip
+
+
+@attrs.frozen(kw_only=True)
+class SpeechBody:
+    """/v1/audio/speech: OpenAI's fields (unknown ones are a 400 naming them)."""
+
+    input: str
+    model: str | None = None
+    # A voice name, or OpenAI's {"id": ...} object for custom voices.
+    voice: Any = None
+    response_format: str | None = None
+    speed: float | None = None
+    instructions: str | None = None
+    stream_format: str | None = None
 
 
 def parse_float(value: str | None, field: str, low: float, high: float, default: float) -> float:

@@ -15,12 +15,14 @@ from quart import Blueprint, Response
 
 from mlxcel.http.context import read_json, server
 from mlxcel.http.security import key_scope
-from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
 from mlxcel.runtime.messages import EndReasoning
 
 bp = Blueprint("control", __name__)
 
 ACTIONS = ("reasoning_end",)
+# The body's keys, both required (also the OpenAPI document's).
+FIELDS = frozenset({"id", "action"})
 
 
 def _answer(success: bool, message: str | None = None) -> Response:
@@ -37,6 +39,9 @@ async def control() -> Response:
     data = await read_json()
     if not isinstance(data, dict):
         raise InvalidRequest("The body must be a JSON object: {id, action}")
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise UnsupportedField(unknown[0])
     completion_id = data.get("id")
     if not isinstance(completion_id, str) or not completion_id:
         raise InvalidRequest("missing completion id", param="id")

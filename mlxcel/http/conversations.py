@@ -32,6 +32,12 @@ def _public(conv: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The keys each body may have (anything else is a 400 naming it); also the OpenAPI document's.
+CREATE_FIELDS = frozenset({"items", "metadata"})
+UPDATE_FIELDS = frozenset({"metadata"})
+ADD_ITEMS_FIELDS = frozenset({"items"})
+
+
 async def _load(cid: str) -> dict[str, Any]:
     store = store_of(server())
     if not store.enabled("conversations"):
@@ -42,7 +48,7 @@ async def _load(cid: str) -> dict[str, Any]:
     return conv
 
 
-async def _body(allowed: set[str]) -> dict[str, Any]:
+async def _body(allowed: frozenset[str]) -> dict[str, Any]:
     data = await read_json()
     if data is None:
         data = {}
@@ -67,7 +73,7 @@ async def create() -> Response:
     store = store_of(server())
     if not store.enabled("conversations"):
         raise InvalidRequest(CONVERSATIONS_OFF)
-    data = await _body({"items", "metadata"})
+    data = await _body(CREATE_FIELDS)
     check_metadata(data.get("metadata"))
     conv = new_conversation(new_id("conv"), data.get("metadata") or {})
     conv["items"] = _new_items(data.get("items"))
@@ -95,7 +101,7 @@ async def _change(cid: str, change: Any) -> dict[str, Any]:
 
 @bp.post("/v1/conversations/<cid>")
 async def update(cid: str) -> Response:
-    data = await _body({"metadata"})
+    data = await _body(UPDATE_FIELDS)
     check_metadata(data.get("metadata"))
     conv = await _change(cid, lambda c: {**c, "metadata": data.get("metadata") or {}})
     return _json(_public(conv))
@@ -117,7 +123,7 @@ async def list_items(cid: str) -> Response:
 
 @bp.post("/v1/conversations/<cid>/items")
 async def add_items(cid: str) -> Response:
-    data = await _body({"items"})
+    data = await _body(ADD_ITEMS_FIELDS)
     added = _new_items(data.get("items"))
     if not added:
         raise InvalidRequest("items must be a non-empty list", param="items")

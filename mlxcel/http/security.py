@@ -24,7 +24,8 @@ from mlxcel.http.errors import error_response, is_anthropic_path
 from mlxcel.runtime.errors import AuthenticationFailed
 from mlxcel.runtime.settings import Settings
 
-PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
+# The OpenAPI document describes routes, never data: public as the health routes.
+PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/openapi.json"})
 UNAUTHORIZED = json.dumps(
     {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
 )

@@ -14,7 +14,7 @@ from quart import Blueprint, Response, request
 from mlxcel.http import sse
 from mlxcel.http.context import read_json, server
 from mlxcel.http.security import key_scope
-from mlxcel.runtime.errors import InvalidRequest, NotFound
+from mlxcel.runtime.errors import InvalidRequest, NotFound, UnsupportedField
 
 bp = Blueprint("streams", __name__)
 
@@ -63,12 +63,18 @@ async def stop() -> Response:
     return Response("", status=204)
 
 
+# The lookup body's one key (also the OpenAPI document's).
+LOOKUP_FIELDS = frozenset({"conversation_ids"})
+
+
 @bp.post("/v1/streams/lookup")
 async def lookup() -> Response:
     """``{"conversation_ids": [...]}`` -> the caller's sessions for those ids (and their
     ``<id>::<model>`` variants); ids with no session are simply absent."""
     ctx = server()
     body = await read_json()
+    if isinstance(body, dict) and set(body) - LOOKUP_FIELDS:
+        raise UnsupportedField(sorted(set(body) - LOOKUP_FIELDS)[0])
     ids = body.get("conversation_ids") if isinstance(body, dict) else None
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise InvalidRequest("conversation_ids must be a list of strings", param="conversation_ids")

@@ -170,6 +170,8 @@ def test_busy_voice_is_503_and_a_disconnect_frees_it(audio_server: ServerProcess
         ({"input": "hi", "voice": "nobody"}, "voice"),
         ({"input": "hi", "voice": "alloy", "speed": 5}, "speed"),
         ({"input": "", "voice": "alloy"}, "input"),
+        # Nothing the voice can speak (found by tools/fuzz_openapi.py: it was a 500).
+        ({"input": "\u0016\u0088\U000ddd1b\U00067562", "voice": "alloy"}, "input"),
         ({"input": "x" * 4097, "voice": "alloy"}, "input"),
         ({"input": "hi", "voice": "alloy", "instructions": "whisper"}, "instructions"),
         ({"input": "hi", "voice": "alloy", "stream_format": "sse"}, "stream_format"),

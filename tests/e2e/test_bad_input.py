@@ -194,6 +194,15 @@ def test_tokenize_refuses_unknown_fields_and_models(server: str) -> None:
     assert r.status_code == 200 and r.json()["tokens"]
 
 
+def test_small_bodies_refuse_unknown_fields(server: str) -> None:
+    # The keys /openapi.json lists for them are the only ones taken.
+    body = {"id": "chatcmpl-x", "action": "reasoning_end", "bogus": 1}
+    refused(server, "/v1/chat/completions/control", body, "bogus")
+    refused(server, "/v1/streams/lookup", {"conversation_ids": ["a"], "bogus": 1}, "bogus")
+    refused(server, "/v1/audio/speech", {"input": "hi", "bogus": 1}, "bogus")
+    refused(server, "/v1/audio/speech", {"input": 5}, "input")
+
+
 # What the fuzzer found: wrong JSON types where the code assumed strings or objects.
 WRONG_TYPES = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": [], "content": "hi"}]}, "role"),

@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from mlxcel.actors.realtime.sentences import SentenceSplitter  # noqa: E402 - after sys.path
+from tests.support.launch import serve  # noqa: E402 - after sys.path
 from tests.support.realtime import connect, frames, silence, spoken  # noqa: E402 - after sys.path
 
 QUESTIONS = [
@@ -61,26 +62,11 @@ OUTPUT_RATE = 22_050  # the VoiceChat protocol's default output rate
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    port = args.port
-    cmd = [sys.executable, "-m", "mlxcel", "serve", "--port", str(port)]
-    cmd += ["--realtime-max-sessions", str(args.sessions), "--parallel", str(args.sessions)]
+    flags = ["--realtime-max-sessions", str(args.sessions), "--parallel", str(args.sessions)]
     if args.model:
-        cmd += ["-m", args.model]
-    log = open(os.environ.get("TMPDIR", "/tmp") + f"/mlxcel-bench-realtime-{port}.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited early; see {log.name}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("server did not start")
+        flags += ["-m", args.model]
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlxcel-bench-realtime-{args.port}.log"
+    return serve(flags, args.port, log)
 
 
 def wav_bytes(pcm: np.ndarray, rate: int = 16_000) -> bytes:

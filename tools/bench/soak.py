@@ -51,7 +51,8 @@ import trio
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.support.realtime import connect, frames, silence, spoken  # noqa: E402 - after sys.path
+from tests.support.launch import serve  # noqa: E402 - after sys.path
+from tests.support.realtime import connect, frames, silence, spoken  # noqa: E402
 
 KEY = "soak-key"
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -366,28 +367,12 @@ async def sanity(http: httpx.AsyncClient) -> str:
 
 
 def start(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    port = args.port
-    cmd = [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), "--api-key", KEY]
-    cmd += ["--parallel", str(args.parallel), "--metrics", "--slots"]
-    cmd += ["--embedding-model", MINILM, "--realtime-max-sessions", str(max(1, args.realtime))]
+    flags = ["--api-key", KEY, "--parallel", str(args.parallel), "--metrics", "--slots"]
+    flags += ["--embedding-model", MINILM, "--realtime-max-sessions", str(max(1, args.realtime))]
     if args.model:
-        cmd += ["-m", args.model]
-    cmd += args.server_arg
-    log = open(os.environ.get("TMPDIR", "/tmp") + f"/mlxcel-soak-{port}.log", "wb")  # noqa: SIM115 - the server writes it until the soak ends
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited early; see {log.name}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("server did not start")
+        flags += ["-m", args.model]
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlxcel-soak-{args.port}.log"
+    return serve(flags + args.server_arg, args.port, log)
 
 
 async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
