@@ -283,18 +283,28 @@ def _wav(pcm: np.ndarray, rate: int = 16_000) -> bytes:
 
 @attrs.define
 class Voice:
-    """One realtime session speaking a question every ``period`` seconds, in real time."""
+    """A realtime client speaking a question every ``period`` seconds, in real time. A session
+    that reaches the server's 600 s cap (``session_expired``) is a full one: the client opens
+    the next, as a real one does; any other end is an error."""
 
     index: int
     answers: int = 0
     turns: int = 0
+    sessions: int = 0
+    expired: int = 0
     errors: list[str] = attrs.Factory(list)
     closed_early: bool = False
 
     async def run(self, base: str, period: float, stop: trio.Event) -> None:
+        while not stop.is_set() and not self.closed_early:
+            await self._session(base, period, stop)
+
+    async def _session(self, base: str, period: float, stop: trio.Event) -> None:
         question = frames(spoken("What is the capital of France?"))
         quiet = frames(silence(0.08))[0]
         per_period = int(period / 0.08)
+        self.sessions += 1
+        expired = [False]
         try:
             async with connect(base, headers={"Authorization": f"Bearer {KEY}"}) as c:
                 await c.recv()
@@ -308,7 +318,7 @@ class Voice:
                     }
                 )
                 async with trio.open_nursery() as n:
-                    n.start_soon(self._receive, c)
+                    n.start_soon(self._receive, c, expired)
                     k = 0
                     t0 = trio.current_time()
                     while not stop.is_set():
@@ -321,16 +331,22 @@ class Voice:
                         k += 1
                     n.cancel_scope.cancel()
         except Exception as error:  # noqa: BLE001 - reported, the soak goes on
+            if expired[0]:
+                self.expired += 1
+                return
             self.closed_early = not stop.is_set()
             self.errors.append(f"{type(error).__name__}: {error}")
 
-    async def _receive(self, c: Any) -> None:
+    async def _receive(self, c: Any, expired: list[bool]) -> None:
         while True:
             event = await c.recv(timeout=3600)
             if event["type"] == "response.done":
                 self.answers += 1
             elif event["type"] == "error":
                 error = event["error"]
+                if error.get("code") == "session_expired":
+                    expired[0] = True
+                    continue
                 self.errors.append(f"{error.get('code')}: {error.get('message', '')[:120]}")
 
 
@@ -424,6 +440,11 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
                 missed.append(f"wave {w + 1}: {busy} slots busy, {queued} queued when idle")
             if answer != first:
                 missed.append(f"wave {w + 1}: sanity answer changed to {answer!r}")
+        # Short runs can end before a voice's first answer is back (speech to text, the
+        # answer and its speech take seconds on a loaded machine): give each one that long.
+        with trio.move_on_after(120):
+            while any(not v.answers and not v.closed_early for v in voices):  # noqa: ASYNC110
+                await trio.sleep(0.5)  # a poll on counters the voices bump
         stop.set()
     if len(rss) >= 2:
         growth = rss[-1] / rss[-2] - 1
@@ -431,7 +452,10 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
         if growth > args.max_growth:
             missed.append(f"rss grew {growth:+.1%} in the last wave (target {args.max_growth:.0%})")
     for v in voices:
-        print(f"realtime {v.index}: {v.turns} turns, {v.answers} answers, errors {v.errors[:5]}")
+        print(
+            f"realtime {v.index}: {v.sessions} sessions ({v.expired} ran to the 600 s cap), "
+            f"{v.turns} turns, {v.answers} answers, errors {v.errors[:5]}"
+        )
         if v.closed_early or not v.answers:
             missed.append(f"realtime session {v.index}: {v.answers} answers, {v.errors[:3]}")
     return missed
