@@ -53,13 +53,20 @@ class SchedulerState:
             if held == rid:
                 self.slots[i] = None
 
-    def _occupy(self, item: Tokenized) -> None:
+    def _occupy(self, item: Tokenized) -> int:
+        """Give the request its slots (choice 0 in ``id_slot`` when it names one); return the
+        slot of choice 0."""
         rid, n = item.request.request_id, item.request.n
         self.running[rid] = item
         self.live[rid] = set(range(n))
         free = [i for i, held in enumerate(self.slots) if held is None]
+        pinned = item.request.id_slot
+        if pinned is not None and pinned in free:
+            free.remove(pinned)
+            free.insert(0, pinned)
         for choice, i in zip(range(n), free, strict=False):
             self.slots[i], self.slot_choices[i] = rid, choice
+        return free[0] if free else 0
 
     def _end_choice(self, rid: str, choice: int) -> bool:
         """One choice stopped decoding; True when that was the request's last one."""
@@ -81,6 +88,9 @@ class SchedulerState:
         return sum(len(live) for live in self.live.values())
 
     def _fits(self, item: Tokenized) -> bool:
+        pinned = item.request.id_slot
+        if pinned is not None and pinned < self.parallel and self.slots[pinned] is not None:
+            return False  # its slot is busy: it waits for that one (llama-server defers it)
         # A request wider than the batch (HTTP rejects those) still runs once alone.
         return self.rows + item.request.n <= self.parallel or not self.running
 
@@ -142,6 +152,7 @@ def plan(
     for item in dropped:
         state.arrived.pop(item.request.request_id, None)
     started: list[Tokenized] = []
+    slot_of: dict[str, int] = {}
     # Decided once per plan: when the window opens, everyone waiting joins together.
     join = bool(state.waiting) and state.may_join(now)
     while join and state.waiting and state.rows < state.parallel:
@@ -151,7 +162,7 @@ def plan(
         if not state._fits(item):
             break  # the head of the line waits for rows; nobody overtakes it
         del state.waiting[best]
-        state._occupy(item)
+        slot_of[item.request.request_id] = state._occupy(item)
         state.arrived.pop(item.request.request_id, None)
         started.append(item)
 
@@ -169,6 +180,9 @@ def plan(
             thinking_budget=item.request.thinking_budget,
             reasoning_open=item.reasoning_open,
             reasoning_control=item.request.reasoning_control is not None,
+            slot=slot_of[item.request.request_id],
+            n_keep=item.request.n_keep if item.request.n_keep is not None else 0,
+            n_discard=item.request.n_discard,
         )
         for item in started
     )

@@ -1,0 +1,94 @@
+"""`--context-shift` against the embedded default model with `-c 128 -n -1`: a sequence that
+fills its context drops old tokens and goes on; without the flag it stops at the context's end
+(llama-server's default)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+
+CTX = 128
+# ~100 tokens: the context is full after a few dozen generated ones.
+PROMPT = " ".join(f"item {i}," for i in range(21))
+LONG_PROMPT = " ".join(f"line {i} of a long text," for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def shifting() -> Iterator[ServerProcess]:
+    server = ServerProcess(["-np", "1", "-c", str(CTX), "-n", "-1", "--context-shift"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[ServerProcess]:
+    server = ServerProcess(["-np", "1", "-c", str(CTX), "-n", "-1"])
+    yield server
+    server.stop()
+
+
+def complete(server: ServerProcess, **fields: Any) -> httpx.Response:
+    body = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True, **fields}
+    return httpx.post(f"{server.base_url}/completion", json=body, timeout=300)
+
+
+def test_a_full_context_shifts_and_generation_goes_on(shifting: ServerProcess) -> None:
+    r = complete(shifting, n_predict=48)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens_evaluated"] == out["timings"]["prompt_n"] < CTX - 16  # not cut
+    assert out["tokens_evaluated"] + out["tokens_predicted"] > CTX
+    assert out["tokens_predicted"] == 48 and out["timings"]["predicted_n"] == 48
+    assert out["stop_type"] == "limit"
+    assert out["truncated"] is True
+
+
+def test_without_the_flag_generation_stops_at_the_context_end(plain: ServerProcess) -> None:
+    r = complete(plain, n_predict=48)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens_evaluated"] + out["tokens_predicted"] == CTX
+    assert out["stop_type"] == "limit"
+
+
+def test_chat_goes_on_past_the_context_with_n_keep(shifting: ServerProcess) -> None:
+    body = {
+        "messages": [{"role": "user", "content": PROMPT[: len(PROMPT) // 2]}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "ignore_eos": True,
+        # The whole prompt stays; each shift drops the 16 oldest generated tokens.
+        "n_keep": -1,
+        "n_discard": 16,
+    }
+    r = httpx.post(f"{shifting.base_url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 60
+    assert usage["prompt_tokens"] + usage["completion_tokens"] > CTX
+
+
+def test_a_prompt_longer_than_the_context_is_cut_to_fit(shifting: ServerProcess) -> None:
+    r = complete(shifting, prompt=LONG_PROMPT, n_predict=4)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens_evaluated"] < CTX and out["truncated"] is True
+    assert out["tokens_predicted"] == 4
+
+
+def test_without_the_flag_a_long_prompt_is_refused(plain: ServerProcess) -> None:
+    r = complete(plain, prompt=LONG_PROMPT, n_predict=4)
+    assert r.status_code == 400
+    assert "exceeds the available context size" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("n_keep", -2), ("n_discard", -1)])
+def test_bad_shift_fields_are_400(shifting: ServerProcess, field: str, value: int) -> None:
+    r = complete(shifting, n_predict=1, **{field: value})
+    assert r.status_code == 400
+    assert field in r.json()["error"]["message"]
