@@ -296,7 +296,9 @@ async def slot_action(slot_id: str) -> Response:
     if action == "restore":
         assert path is not None
         try:
-            state, n_read = await trio.to_thread.run_sync(slot_files.read, path, ctx.info.model_id)
+            state, n_read = await trio.to_thread.run_sync(
+                slot_files.read, path, ctx.info.description
+            )
         except slot_files.SlotFileError as error:
             raise InvalidRequest(f"{RESTORE_FAILED}: {error}") from None
         if len(state.tokens) > ctx.info.context_length:
@@ -323,7 +325,7 @@ async def slot_action(slot_id: str) -> Response:
         )
     assert path is not None and reply.state is not None
     n_written = await trio.to_thread.run_sync(
-        slot_files.write, path, reply.state, ctx.info.model_id
+        slot_files.write, path, reply.state, ctx.info.description
     )
     return _json(
         {

@@ -20,6 +20,8 @@ http-api.md, "Context shift", has the figure).
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import attrs
@@ -30,6 +32,8 @@ from mlx_lm.models.cache import KVCache
 from mlxcel.actors.model_runner.eager_start import REPORTED
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.runtime.messages import SlotAction, SlotState
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -51,6 +55,7 @@ class SlotCaches:
 
     def apply(self, action: SlotAction) -> None:
         reply = action.reply
+        tic = time.perf_counter()
         try:
             if action.kind == "save":
                 self._save(action)
@@ -64,6 +69,13 @@ class SlotCaches:
                 self._held[action.slot] = None
         except Exception as error:  # a bad file or an unexpected cache kind: this action only
             reply.error = f"{type(error).__name__}: {error}"
+        log.info(
+            "slot %d %s: %d tokens, %.1f ms on the model runner's thread",
+            action.slot,
+            action.kind,
+            reply.n_tokens,
+            (time.perf_counter() - tic) * 1000,
+        )
 
     def _save(self, action: SlotAction) -> None:
         held = self._held[action.slot]
@@ -95,6 +107,9 @@ class SlotCaches:
         assert state is not None
         if self._cache is None:
             raise ValueError("the prompt cache is off (--cache-ram 0): nothing can hold a slot")
+        if not state.tokens:  # a slot saved empty restores to empty
+            self._held[action.slot] = None
+            return
         if len(state.keys) != self._n_layers:
             raise ValueError(f"{len(state.keys)} layers saved; this model has {self._n_layers}")
         layers = []
@@ -103,13 +118,9 @@ class SlotCaches:
             layer.keys, layer.values = mx.array(k), mx.array(v)
             layer.offset = int(k.shape[2])
             layers.append(layer)
-        tokens = list(state.tokens)
-        if tokens:
-            self._cache.store("", tokens, layers)
-            self._held[action.slot] = _Held("", tuple(tokens))
-        else:
-            self._held[action.slot] = None
-        action.reply.n_tokens = len(tokens)
+        self._cache.store("", list(state.tokens), layers)
+        self._held[action.slot] = _Held("", state.tokens)
+        action.reply.n_tokens = len(state.tokens)
 
 
 def shifted(tokens: list[int], n_ctx: int, n_keep: int, n_discard: int, n_prompt: int) -> list[int]:
