@@ -357,6 +357,10 @@ class MlxBackend:
                 self._logprobs[uid] = r.seq.logprobs
             if self._shift is not None:
                 self._shift[uid] = (r.seq.n_keep, r.seq.n_discard, len(r.seq.prompt_tokens))
+            if r.choice == 0:
+                # The slot now holds this sequence: what it cached before is no longer its own
+                # (the entry stays in the prompt cache for any prompt that shares it).
+                self._slots.donated(r.seq.slot, None, [])
             self._slot_of.setdefault(rid, r.seq.slot)
         return uids
 

@@ -56,12 +56,18 @@ class PromptCache:
         # Entries that left besides the replaced prefix: LRU or byte-budget evictions.
         self.evictions += max(0, before + 1 - len(self._lru))
 
-    def entry(self, key: str, tokens: list[int]) -> list[Any] | None:
-        """The entry stored for exactly these tokens, not copied (read it, never change it)."""
+    def entry(self, key: str, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """The cache of the longest prefix of these tokens held, and its length. The entry
+        stored for exactly these tokens comes as it is (read it, never change it); one that
+        a longer sequence has since replaced comes as a trimmed copy."""
         trie = self._lru._trie
-        if trie.search(key, tokens).exact is None:
-            return None
-        return list(trie.get(key, tokens).prompt_cache)
+        if trie.search(key, tokens).exact is not None:
+            return list(trie.get(key, tokens).prompt_cache), len(tokens)
+        cache, rest = self._lru.fetch_nearest_cache(key, tokens)
+        if cache is None:
+            return None, 0
+        mx.eval(_arrays(cache))
+        return cache, len(tokens) - len(rest)
 
     def remove(self, key: str, tokens: list[int]) -> bool:
         """Drop the entry for exactly these tokens (a slot erase). mlx-lm's LRU has no public

@@ -79,10 +79,10 @@ class SlotCaches:
 
     def _save(self, action: SlotAction) -> None:
         held = self._held[action.slot]
-        entry = None
+        entry, n_held = None, 0
         if held is not None and self._cache is not None:
-            entry = self._cache.entry(held.key, list(held.tokens))
-        if held is None or entry is None:  # never used, erased, or evicted since
+            entry, n_held = self._cache.entry(held.key, list(held.tokens))
+        if held is None or entry is None or n_held == 0:  # never used, erased, or evicted
             action.reply.state = SlotState((), (), ())
             return
         keys, values = [], []
@@ -99,8 +99,8 @@ class SlotCaches:
             # stalled every slot's decoding ~0.1 s per 1000 tokens of the default model.
             keys.append(np.asarray(k))
             values.append(np.asarray(v))
-        action.reply.state = SlotState(held.tokens, tuple(keys), tuple(values))
-        action.reply.n_tokens = len(held.tokens)
+        action.reply.state = SlotState(held.tokens[:n_held], tuple(keys), tuple(values))
+        action.reply.n_tokens = n_held
 
     def _restore(self, action: SlotAction) -> None:
         state = action.state
