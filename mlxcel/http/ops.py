@@ -53,6 +53,7 @@ def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
         ignore_eos=False,
         stream=False,
         cache_prompt=ctx.settings.cache_enabled,
+        n_keep=ctx.settings.n_keep,
     )
 
 
@@ -68,6 +69,8 @@ def request_settings(
         stream=stream,
         cache_prompt=gen.cache_key is not None and ctx.settings.cache_enabled,
         n_probs=gen.logprobs or 0,
+        n_keep=gen.n_keep if gen.n_keep is not None else ctx.settings.n_keep,
+        n_discard=gen.n_discard,
     )
 
 
@@ -80,6 +83,8 @@ def generation_settings(
     stream: bool,
     cache_prompt: bool,
     n_probs: int = 0,
+    n_keep: int = 0,
+    n_discard: int = 0,
 ) -> dict[str, Any]:
     """llama-server's ``generation_settings``: the settings one completion ran with."""
     return {
@@ -93,6 +98,8 @@ def generation_settings(
         "stream": stream,
         "cache_prompt": cache_prompt,
         "n_probs": n_probs,
+        "n_keep": n_keep,
+        "n_discard": n_discard,
     }
 
 

@@ -73,6 +73,14 @@ def test_chat_goes_on_past_the_context_with_n_keep(shifting: ServerProcess) -> N
     assert usage["prompt_tokens"] + usage["completion_tokens"] > CTX
 
 
+def test_the_shift_fields_show_in_generation_settings(shifting: ServerProcess) -> None:
+    out = complete(shifting, n_predict=1, n_keep=5, n_discard=7).json()
+    assert out["generation_settings"]["n_keep"] == 5
+    assert out["generation_settings"]["n_discard"] == 7
+    props = httpx.get(f"{shifting.base_url}/props").json()
+    assert props["default_generation_settings"]["params"]["n_keep"] == 0
+
+
 def test_a_prompt_longer_than_the_context_is_cut_to_fit(shifting: ServerProcess) -> None:
     r = complete(shifting, prompt=LONG_PROMPT, n_predict=4)
     assert r.status_code == 200, r.text
