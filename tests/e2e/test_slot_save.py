@@ -4,13 +4,17 @@ cache, with the same greedy answer as when that prompt was read from scratch."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
+from mlxcel.http import slot_files
+from mlxcel.runtime.messages import SlotState
 from tests.conftest import ServerProcess
 
 PROMPT = "The three primary colors are red, yellow and blue. Mixing red and yellow gives"
@@ -115,6 +119,25 @@ def test_a_corrupt_save_file_is_a_400_and_the_slot_still_serves(
     assert r.status_code == 400
     assert "invalid slot save file" in r.json()["error"]["message"]
     assert complete(server, id_slot=0)["id_slot"] == 0
+
+
+def test_a_saved_prompt_longer_than_the_context_is_refused(
+    server: ServerProcess, save_dir: Path
+) -> None:
+    complete(server, id_slot=1)
+    assert action(server, 1, "save", filename="short.bin").status_code == 200
+    # The same model's file, grown past the context (512): only the length check can refuse it.
+    data = (save_dir / "short.bin").read_bytes()
+    n_head = int.from_bytes(data[len(slot_files.MAGIC) : len(slot_files.MAGIC) + 8], "little")
+    start = len(slot_files.MAGIC) + 8
+    header = json.loads(data[start : start + n_head])
+    n = 513
+    arrays = [np.zeros((*a["shape"][:2], n, a["shape"][3]), a["dtype"]) for a in header["arrays"]]
+    state = SlotState(tuple([1] * n), tuple(arrays[0::2]), tuple(arrays[1::2]))
+    slot_files.write(save_dir / "long.bin", state, header["model"])
+    r = action(server, 0, "restore", filename="long.bin")
+    assert r.status_code == 400
+    assert "Restored prompt does not fit in the slot context" in r.json()["error"]["message"]
 
 
 def test_a_slot_in_use_is_busy(server: ServerProcess) -> None:
