@@ -4,7 +4,9 @@ fills its context drops old tokens and goes on; without the flag it stops at the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -100,3 +102,27 @@ def test_bad_shift_fields_are_400(shifting: ServerProcess, field: str, value: in
     r = complete(shifting, n_predict=1, **{field: value})
     assert r.status_code == 400
     assert field in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def tiny_shifting(tiny_model_dir: Path) -> Iterator[ServerProcess]:
+    # The tiny random model decodes ~20x faster: long structured output stays quick.
+    args = ["-m", str(tiny_model_dir), "-np", "1", "-c", str(CTX), "--context-shift"]
+    server = ServerProcess(args)
+    yield server
+    server.stop()
+
+
+def test_a_grammar_holds_across_shifts(tiny_shifting: ServerProcess) -> None:
+    schema = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minItems": 120,
+        "maxItems": 125,
+    }
+    r = complete(tiny_shifting, prompt="JSON:", n_predict=600, json_schema=schema, ignore_eos=False)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens_evaluated"] + out["tokens_predicted"] > 2 * CTX  # shifted more than once
+    assert out["truncated"] is True and out["stop_type"] == "eos"
+    assert 120 <= len(json.loads(out["content"])) <= 125

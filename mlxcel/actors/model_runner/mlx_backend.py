@@ -193,11 +193,12 @@ class MlxBackend:
             found = row_state(batch, r.uid, r.token)
             if found is None or len(found[1]) + 1 < self._ctx:
                 continue
-            i, tokens = found
+            i, tokens, early = found
             n_keep, n_discard, n_prompt = self._shift[r.uid]
             moves.append(
                 (
                     r.uid,
+                    r.token if early else None,
                     shifted(tokens, self._ctx, n_keep, n_discard, n_prompt),
                     batch.max_tokens[i] - batch._num_tokens[i],
                     batch.samplers[i],
@@ -209,7 +210,7 @@ class MlxBackend:
             return ()
         self._gen.remove([m[0] for m in moves])
         rids = []
-        for old, tokens, left, sampler, processors, stops in moves:
+        for old, unseen, tokens, left, sampler, processors, stops in moves:
             (new,) = self._gen.insert(
                 [tokens],
                 max_tokens=[max(left, 1)],
@@ -220,6 +221,8 @@ class MlxBackend:
             )
             self._rename(old, new)
             self._rereading.add(new)
+            if (guide := self._guides.get(new)) is not None:
+                guide.rebase(unseen)
             rids.append(self._rid_by_uid[new])
         return tuple(dict.fromkeys(rids))
 

@@ -134,15 +134,17 @@ def shifted(tokens: list[int], n_ctx: int, n_keep: int, n_discard: int, n_prompt
     return tokens[:keep] + tokens[keep + discard :]
 
 
-def row_state(batch: Any, uid: int, reported: int) -> tuple[int, list[int]] | None:
-    """Where ``uid`` sits in the generation batch and every token of its sequence, the one
-    just reported included (None: not there)."""
+def row_state(batch: Any, uid: int, reported: int) -> tuple[int, list[int], bool] | None:
+    """Where ``uid`` sits in the generation batch, every token of its sequence (the one just
+    reported included), and whether that one was reported early (None: not there)."""
     try:
         i = batch.uids.index(uid)
     except ValueError:
         return None
     tokens = list(batch.tokens[i])
-    # A token reported early (eager start) is not in the row's tokens yet.
-    if getattr(batch, "_starts", None) is not None and batch._starts[i] == REPORTED:
+    # A token reported early (eager start) is not in the row's tokens yet, nor has the
+    # row's logits processors' context seen it.
+    early = getattr(batch, "_starts", None) is not None and batch._starts[i] == REPORTED
+    if early:
         tokens.append(reported)
-    return i, tokens
+    return i, tokens, early
