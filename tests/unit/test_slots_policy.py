@@ -19,13 +19,14 @@ from mlxcel.runtime.messages import (
 )
 
 
-def item(rid: str, id_slot: int | None = None) -> Tokenized:
+def item(rid: str, id_slot: int | None = None, priority: int = 1) -> Tokenized:
     req = GenerationRequest(
         request_id=rid,
         prompt=TextPrompt(text="x"),
         sampling=SamplingParams(),
         max_tokens=5,
         id_slot=id_slot,
+        priority=priority,
     )
     slot: Any = object()  # the policy never touches output slots
     return Tokenized(req, slot, (1, 2, 3), 5)
@@ -40,16 +41,20 @@ def test_a_request_runs_in_the_slot_it_names() -> None:
     assert state.slots == ["b", None, "a"]
 
 
-def test_a_pinned_request_waits_for_its_slot_and_the_line_waits_behind_it() -> None:
-    state = policy.SchedulerState(parallel=2)
+def test_a_pinned_request_waits_for_its_slot_while_others_go_ahead() -> None:
+    state = policy.SchedulerState(parallel=3)
     state.enqueue(item("a", id_slot=0))
     policy.plan(state, ())
     state.enqueue(item("b", id_slot=0))
     state.enqueue(item("c"))
-    assert policy.plan(state, ()).plan.inserts == ()  # slot 0 is busy; c does not overtake
+    d = policy.plan(state, ())  # slot 0 is busy: b waits (llama-server defers it), c runs
+    assert [(s.request_id, s.slot) for s in d.plan.inserts] == [("c", 1)]
+    assert [w.request.request_id for w in state.waiting] == ["b"]
     policy.complete(state, StepOutput(tokens=(TokenOut("a", 7, "length"),)))
+    state.enqueue(item("d"))
     d = policy.plan(state, ())
-    assert [(s.request_id, s.slot) for s in d.plan.inserts] == [("b", 0), ("c", 1)]
+    # b first: the slot it waited for is its own, and d takes the one left.
+    assert [(s.request_id, s.slot) for s in d.plan.inserts] == [("b", 0), ("d", 2)]
 
 
 def test_inserts_carry_the_shift_fields() -> None:
@@ -75,3 +80,16 @@ def test_a_long_prompt_is_cut_as_llama_server_cuts_it() -> None:
     assert truncate_prompt(tokens, 128, 0) == tokens[-109:]
     kept = truncate_prompt(tokens, 128, 5)
     assert kept[:5] == tokens[:5] and len(kept) < 128 and kept[-1] == 300
+
+
+def test_others_leave_free_the_slot_a_waiting_request_names() -> None:
+    state = policy.SchedulerState(parallel=3)
+    state.enqueue(item("a", id_slot=0))
+    state.enqueue(item("b"))
+    policy.plan(state, ())  # a in 0, b in 1
+    state.enqueue(item("d", id_slot=0))
+    assert policy.plan(state, ()).plan.inserts == ()  # d waits for slot 0
+    policy.complete(state, StepOutput(tokens=(TokenOut("a", 7, "length"),)))
+    state.enqueue(item("e", priority=0))  # goes first, and must not take slot 0
+    d = policy.plan(state, ())
+    assert [(s.request_id, s.slot) for s in d.plan.inserts] == [("e", 2), ("d", 0)]

@@ -60,6 +60,9 @@ class SchedulerState:
         self.running[rid] = item
         self.live[rid] = set(range(n))
         free = [i for i, held in enumerate(self.slots) if held is None]
+        # Slots that waiting requests name go last, so that those find theirs free.
+        wanted = {w.request.id_slot for w in self.waiting}
+        free.sort(key=lambda i: i in wanted)
         pinned = item.request.id_slot
         if pinned is not None and pinned in free:
             free.remove(pinned)
@@ -87,10 +90,12 @@ class SchedulerState:
         """Batch rows in use: one per choice still decoding."""
         return sum(len(live) for live in self.live.values())
 
-    def _fits(self, item: Tokenized) -> bool:
+    def _slot_busy(self, item: Tokenized) -> bool:
+        """It names a slot (id_slot) that another request holds."""
         pinned = item.request.id_slot
-        if pinned is not None and pinned < self.parallel and self.slots[pinned] is not None:
-            return False  # its slot is busy: it waits for that one (llama-server defers it)
+        return pinned is not None and pinned < self.parallel and self.slots[pinned] is not None
+
+    def _fits(self, item: Tokenized) -> bool:
         # A request wider than the batch (HTTP rejects those) still runs once alone.
         return self.rows + item.request.n <= self.parallel or not self.running
 
@@ -157,7 +162,11 @@ def plan(
     join = bool(state.waiting) and state.may_join(now)
     while join and state.waiting and state.rows < state.parallel:
         # Strict priority between lanes, FIFO within a lane (no ageing, as llama-server).
-        best = min(range(len(state.waiting)), key=lambda i: state.waiting[i].request.priority)
+        # A request whose slot (id_slot) is busy is passed over, as llama-server defers it.
+        ready = [i for i, w in enumerate(state.waiting) if not state._slot_busy(w)]
+        if not ready:
+            break
+        best = min(ready, key=lambda i: state.waiting[i].request.priority)
         item = state.waiting[best]
         if not state._fits(item):
             break  # the head of the line waits for rows; nobody overtakes it
