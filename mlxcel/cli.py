@@ -238,6 +238,33 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-slots", dest="slots", action="store_false", help="turn /slots off")
     p.add_argument(
+        "--slot-save-path",
+        default=_env("LLAMA_ARG_SLOT_SAVE_PATH"),
+        help="folder for POST /slots/{id}?action=save|restore files; unset: those actions "
+        "answer 501 (env: LLAMA_ARG_SLOT_SAVE_PATH)",
+    )
+    p.add_argument(
+        "--context-shift",
+        dest="context_shift",
+        action="store_true",
+        default=_env_bool("LLAMA_ARG_CONTEXT_SHIFT", False),
+        help="when a sequence fills its context, drop the oldest tokens after --keep and go "
+        "on instead of stopping (env: LLAMA_ARG_CONTEXT_SHIFT)",
+    )
+    p.add_argument(
+        "--no-context-shift",
+        dest="context_shift",
+        action="store_false",
+        help="stop a sequence at the end of its context (default)",
+    )
+    opt(
+        "--keep",
+        env="LLAMA_ARG_KEEP",
+        type=int,
+        default=0,
+        help="prompt tokens a context shift always keeps (requests' n_keep); -1 = all",
+    )
+    p.add_argument(
         "--props",
         action="store_true",
         default=_env_bool("LLAMA_ARG_ENDPOINT_PROPS", False),
@@ -614,6 +641,16 @@ def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
+def slot_save_path(value: str | None) -> Path | None:
+    """--slot-save-path must name an existing folder (llama-server's check)."""
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise SystemExit(f"error: --slot-save-path {value!r} is not a folder")
+    return path
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     for note in cli_compat.check(args):
         log.warning("%s", note)
@@ -623,6 +660,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--prefill-chunk-size": args.prefill_chunk_size >= 1,
         "--ctx-size": args.ctx_size >= 0,
         "--n-predict": args.n_predict >= -1,
+        "--keep": args.keep >= -1,
         "--port": 0 <= args.port <= 65535,
         "--cache-ram": args.cache_ram >= 0,
         "--join-window": args.join_window >= 0,
@@ -681,6 +719,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         sampling=sampling_defaults(args),
         metrics_endpoint=args.metrics,
         slots_endpoint=args.slots,
+        slot_save_path=slot_save_path(args.slot_save_path),
+        context_shift=args.context_shift,
+        n_keep=args.keep,
         props_endpoint=args.props,
         embedding_model=args.embedding_model,
         reranker_model=args.reranker_model,

@@ -150,6 +150,7 @@ async def serve(
             context_length=info.context_length,
             reasoning=reasoning,
             n_predict=settings.n_predict,
+            context_shift=settings.context_shift,
             inbox=submit_rx,
             outbox=tokenized_tx,
             tool_format=tool_format,

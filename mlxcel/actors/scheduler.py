@@ -22,6 +22,7 @@ from mlxcel.runtime.messages import (
     OpenStream,
     ResetCache,
     SchedulerInbox,
+    SlotAction,
     StepOutput,
     StepPlan,
     StepTokens,
@@ -57,6 +58,7 @@ class Scheduler:
         self._aborts = aborts
         self._metrics = metrics or Metrics()
         self._resets: list[trio.Event] = []
+        self._slot_actions: list[SlotAction] = []
         self._end_reasoning: list[str] = []
         self._prefilled: dict[str, int] = {}
         self.cache_stats = CacheStats()
@@ -95,7 +97,7 @@ class Scheduler:
         output; the runner finishes the step it is in (mlx work cannot be interrupted)."""
         task_status.started()
         while True:
-            if self._state.idle and not self._resets:
+            if self._state.idle and not self._resets and not self._slot_actions:
                 self._enqueue(await self._inbox.receive())
             while True:
                 try:
@@ -109,7 +111,10 @@ class Scheduler:
             ends, self._end_reasoning = self._end_reasoning, []
             if ends:
                 plan = attrs.evolve(plan, end_reasoning=tuple(ends))
-            if not self._state.running and not plan.removes and not resets:
+            actions, self._slot_actions = self._slot_actions, []
+            if actions:
+                plan = attrs.evolve(plan, slot_actions=tuple(actions))
+            if not self._state.running and not plan.removes and not resets and not actions:
                 continue
             busy = self._state.rows
             tic = time.perf_counter()
@@ -117,11 +122,15 @@ class Scheduler:
             output = await self._outputs.receive()
             for done in resets:
                 done.set()
+            for action in actions:
+                action.reply.done.set()
             await self._after(output, busy, time.perf_counter() - tic)
 
     def _enqueue(self, msg: SchedulerInbox) -> None:
         if isinstance(msg, ResetCache):
             self._resets.append(msg.done)
+        elif isinstance(msg, SlotAction):
+            self._slot_actions.append(msg)
         elif isinstance(msg, EndReasoning):
             if msg.request_id in self._state.running:
                 self._end_reasoning.append(msg.request_id)
@@ -154,8 +163,11 @@ class Scheduler:
         for rid in decision.plan.removes:
             self._prefilled.pop(rid, None)
             await self._streamer.send(CloseStream(rid, "abort"))
+        slots = {seq.request_id: seq.slot for seq in decision.plan.inserts}
         for item in decision.started:
             item.slot.started_at = time.monotonic()
+            item.slot.context_shifted = item.truncated
+            item.slot.id_slot = slots[item.request.request_id]
             item.slot.reservation.release()
             await self._streamer.send(
                 OpenStream(
@@ -178,6 +190,9 @@ class Scheduler:
         for rid, n in output.cached:
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.placed(n)
+        for rid in output.shifted:
+            if (item := self._state.running.get(rid)) is not None:
+                item.slot.context_shifted = True
         prefill = 0
         for p in output.prefill:
             prefill += p.done - self._prefilled.get(p.request_id, 0)

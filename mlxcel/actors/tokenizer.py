@@ -39,8 +39,10 @@ class TokenizerActor:
         inbox: trio.MemoryReceiveChannel[Submit],
         outbox: trio.MemorySendChannel[Tokenized],
         tool_format: ToolFormat | None = None,
+        context_shift: bool = False,
     ) -> None:
         self._tok = tokenizer
+        self._context_shift = context_shift
         self._tool_format = tool_format
         self._special: dict[str, int] | None = None
         self._reasoning = reasoning
@@ -59,6 +61,9 @@ class TokenizerActor:
                 continue
             try:
                 tokens = await trio.to_thread.run_sync(self.encode, sub.request)
+                truncated = self._context_shift and len(tokens) >= self._ctx
+                if truncated:
+                    tokens = truncate_prompt(tokens, self._ctx, sub.request.n_keep or 0)
                 max_tokens = self.budget(sub.request, len(tokens))
                 opened = self._opens_reasoning(tokens)
                 grammar = (
@@ -77,7 +82,9 @@ class TokenizerActor:
                 continue
             sub.slot.accept(len(tokens))
             await self._outbox.send(
-                Tokenized(sub.request, sub.slot, tuple(tokens), max_tokens, opened, grammar)
+                Tokenized(
+                    sub.request, sub.slot, tuple(tokens), max_tokens, opened, grammar, truncated
+                )
             )
 
     def grammar(self, request: GenerationRequest) -> str | None:
@@ -164,5 +171,23 @@ class TokenizerActor:
         cap = request.max_tokens
         if cap is None and self._n_predict > 0:
             cap = self._n_predict
+        if self._context_shift:
+            # The context never ends: only the cap (or an end-of-sequence token) stops it.
+            return UNLIMITED if cap is None else cap
         # llama-server clamps silently to the context window rather than failing.
         return room if cap is None else min(cap, room)
+
+
+# The token budget of a request with no cap under --context-shift (llama-server's n_predict
+# -1 with a shifting context: until an end-of-sequence token).
+UNLIMITED = 2**31 - 1
+
+
+def truncate_prompt(tokens: list[int], n_ctx: int, n_keep: int) -> list[int]:
+    """A prompt that fills the context, cut as llama-server cuts it under context shift: the
+    first ``n_keep`` tokens, then whole blocks of half the rest dropped until it fits."""
+    keep = len(tokens) if n_keep < 0 else n_keep
+    keep = max(0, min(n_ctx - 4, keep))
+    block = max(1, (n_ctx - keep) // 2)
+    erased = (len(tokens) - keep - block) // block
+    return tokens[:keep] + tokens[keep + erased * block :]

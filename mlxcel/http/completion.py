@@ -23,6 +23,7 @@ from mlxcel.http.openai_wire import new_id, token_ids
 from mlxcel.http.ops import NotSupported, request_settings
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.http.security import key_scope
+from mlxcel.http.slot_wire import SlotFields, slot_options
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
@@ -46,7 +47,7 @@ INT32_MAX = 2**31 - 1
 
 
 @attrs.frozen(kw_only=True)
-class NativeCompletionBody(SamplingFields):
+class NativeCompletionBody(SamplingFields, SlotFields):
     prompt: Any = ""
     # n_predict, else max_tokens, else max_completion_tokens (llama-server's order).
     n_predict: int | None = None
@@ -66,7 +67,6 @@ class NativeCompletionBody(SamplingFields):
     ignore_eos: bool | None = None
     n_probs: int | None = None
     logprobs: int | None = None  # llama-server's alias of n_probs
-    id_slot: int | None = None
     model: str | None = None
     json_schema: Any = None
     grammar: Any = None
@@ -154,8 +154,6 @@ def _request(
     n_probs_param = "n_probs" if body.n_probs is not None else "logprobs"
     if n_probs is not None and not 0 <= n_probs <= 20:
         raise InvalidRequest(f"{n_probs_param} must be between 0 and 20", param=n_probs_param)
-    if body.id_slot not in (None, -1):
-        raise InvalidRequest("choosing a slot is not supported; use id_slot -1", param="id_slot")
     ctx = server()
     return GenerationRequest(
         request_id=new_id("cmpl"),
@@ -174,6 +172,7 @@ def _request(
             ctx.settings.reasoning_budget,
         ),
         reasoning_control=key_scope(ctx.settings) if body.reasoning_control else None,
+        **slot_options(body),
     )
 
 
@@ -223,7 +222,7 @@ def final_object(ctx: ServerContext, call: _Call, slot: OutputSlot, text: str, f
         "index": 0,
         "content": text,
         "tokens": [],
-        "id_slot": -1,
+        "id_slot": slot.id_slot,
         "stop": True,
         "model": ctx.model_id,
         "tokens_predicted": slot.completion_tokens,
@@ -231,7 +230,7 @@ def final_object(ctx: ServerContext, call: _Call, slot: OutputSlot, text: str, f
         "generation_settings": {"n_ctx": ctx.info.context_length, **settings},
         "prompt": call.prompt_text,
         "has_new_line": "\n" in text,
-        "truncated": False,
+        "truncated": slot.context_shifted,
         "stop_type": stop_type,
         "stopping_word": slot.stop_word or "",
         "tokens_cached": slot.cached_tokens,
@@ -314,7 +313,7 @@ def _stream(ctx: ServerContext, call: _Call, slot: OutputSlot) -> Response:
                         "content": update.text,
                         "tokens": [],
                         "stop": False,
-                        "id_slot": -1,
+                        "id_slot": slot.id_slot,
                         "tokens_predicted": slot.completion_tokens,
                         "tokens_evaluated": slot.prompt_tokens,
                     }

@@ -20,7 +20,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from mlxcel.actors.side_models import require_generation
-from mlxcel.http import logprobs, sse
+from mlxcel.http import logprobs, slot_wire, sse
 from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.audio import audio_model_entries
 from mlxcel.http.chat_render import Collected, message, stream_choices
@@ -67,6 +67,7 @@ async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> Output
         raise InvalidRequest(
             f"n must be at most {ctx.settings.parallel} (this server's --parallel)", param="n"
         )
+    gen = slot_wire.resolve(gen, parallel=ctx.settings.parallel, n_keep=ctx.settings.n_keep)
     slot = ctx.admission.submit(gen)
     try:
         await slot.wait_accepted()

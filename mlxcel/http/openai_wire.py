@@ -9,6 +9,7 @@ import attrs
 
 from mlxcel.http import structured_wire
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
+from mlxcel.http.slot_wire import SlotFields, slot_options
 from mlxcel.runtime import json_input
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
@@ -44,7 +45,7 @@ class StreamOptions:
 
 
 @attrs.frozen(kw_only=True)
-class ChatCompletionBody(SamplingFields):
+class ChatCompletionBody(SamplingFields, SlotFields):
     messages: Any
     model: str | None = None
     max_tokens: int | None = None
@@ -87,7 +88,7 @@ class ChatCompletionBody(SamplingFields):
 
 
 @attrs.frozen(kw_only=True)
-class CompletionBody(SamplingFields):
+class CompletionBody(SamplingFields, SlotFields):
     prompt: Any
     model: str | None = None
     max_tokens: int | None = None
@@ -364,6 +365,7 @@ def chat_request(
             {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS}, reasoning_budget
         ),
         loop_limit=loop_limit(body),
+        **slot_options(body),
     )
     return body, request
 
@@ -473,6 +475,7 @@ def completion_request(
         n=_n(body.n),
         constraint=structured_wire.response_format(body.response_format),
         loop_limit=loop_limit(body),
+        **slot_options(body),
     )
     if body.logprobs is not None and not 0 <= body.logprobs <= 5:
         raise InvalidRequest("logprobs must be between 0 and 5", param="logprobs")

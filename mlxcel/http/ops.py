@@ -5,23 +5,27 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any
+import time
+from typing import Any, Literal, cast
 
 import attrs
+import trio
 from quart import Blueprint, Response, request
 
 from mlxcel import __version__
+from mlxcel.http import slot_files
 from mlxcel.http.audio import audio_capabilities
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.embeddings import capabilities_props
 from mlxcel.http.errors import error_response
 from mlxcel.runtime.errors import (
     FeatureDisabled,
+    InternalError,
     InvalidRequest,
     NotImplementedRoute,
     ServiceError,
 )
-from mlxcel.runtime.messages import GenerationRequest, SamplingParams
+from mlxcel.runtime.messages import GenerationRequest, SamplingParams, SlotAction, SlotReply
 
 bp = Blueprint("ops", __name__)
 
@@ -49,6 +53,7 @@ def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
         ignore_eos=False,
         stream=False,
         cache_prompt=ctx.settings.cache_enabled,
+        n_keep=ctx.settings.n_keep,
     )
 
 
@@ -64,6 +69,8 @@ def request_settings(
         stream=stream,
         cache_prompt=gen.cache_key is not None and ctx.settings.cache_enabled,
         n_probs=gen.logprobs or 0,
+        n_keep=gen.n_keep if gen.n_keep is not None else ctx.settings.n_keep,
+        n_discard=gen.n_discard,
     )
 
 
@@ -76,6 +83,8 @@ def generation_settings(
     stream: bool,
     cache_prompt: bool,
     n_probs: int = 0,
+    n_keep: int = 0,
+    n_discard: int = 0,
 ) -> dict[str, Any]:
     """llama-server's ``generation_settings``: the settings one completion ran with."""
     return {
@@ -89,6 +98,8 @@ def generation_settings(
         "stream": stream,
         "cache_prompt": cache_prompt,
         "n_probs": n_probs,
+        "n_keep": n_keep,
+        "n_discard": n_discard,
     }
 
 
@@ -250,30 +261,87 @@ async def metrics() -> Response:
 
 
 SLOT_ACTIONS = ("save", "restore", "erase")
+SlotKind = Literal["save", "restore", "erase"]
+RESTORE_FAILED = "Unable to restore slot, no available space in KV cache or invalid slot save file"
 
 
-@bp.post("/slots/<int:slot_id>")
-async def slot_action(slot_id: int) -> Response:
-    """llama-server saves, restores and erases a slot's KV cache with `--slot-save-path`. Our
-    slots are batch rows with no KV of their own between requests (prompts live in the shared
-    prefix cache: /v1/cache/stats, /v1/cache/reset), so every action is 501, after the same
-    checks llama-server makes first."""
+@bp.post("/slots/<slot_id>")
+async def slot_action(slot_id: str) -> Response:
+    """llama-server's slot save, restore and erase (`--slot-save-path`). A slot's cache is the
+    prompt-cache entry its last sequence left (actors/model_runner/slots.py). The KV state is
+    copied out of (or into) mlx between two steps; the file is written and read here, on a
+    worker thread, so the other slots' decoding waits only for the copy.
+
+    Cancellation (the client leaves) after the action reached the scheduler does not undo it.
+    """
     ctx = server()
-    if not ctx.settings.slots_endpoint:
-        return _gated("slots endpoint", "--slots")
+    if ctx.settings.slot_save_path is None:
+        return _gated("slots action", "--slot-save-path")
+    try:
+        slot = int(slot_id)
+    except ValueError:
+        raise InvalidRequest("Invalid slot ID", param="id_slot") from None
     action = request.args.get("action", "")
     if action not in SLOT_ACTIONS:
         raise InvalidRequest(
             f"Invalid action {action!r}: expected one of {', '.join(SLOT_ACTIONS)}", param="action"
         )
-    if not 0 <= slot_id < ctx.settings.parallel:
-        raise InvalidRequest(f"Invalid slot id {slot_id}", param="id_slot")
-    return error_response(
-        NotSupported(
-            f"This server does not support slot {action}: its prompts are kept in the shared "
-            "prefix cache (/v1/cache/stats, /v1/cache/reset), not per slot"
-        ),
-        "native",
+    if not 0 <= slot < ctx.settings.parallel:
+        raise InvalidRequest(f"Invalid slot ID {slot}", param="id_slot")
+    path = None
+    if action != "erase":
+        body = await read_json()
+        filename = body.get("filename") if isinstance(body, dict) else None
+        if not slot_files.valid_filename(filename):
+            raise InvalidRequest("Invalid filename", param="filename")
+        path = ctx.settings.slot_save_path / str(filename)
+    if ctx.scheduler.slot_items()[slot] is not None:
+        return error_response(ServiceError("Requested slot is processing"), "native")
+    tic = time.perf_counter()
+    state = None
+    n_read = 0
+    if action == "restore":
+        assert path is not None
+        try:
+            state, n_read = await trio.to_thread.run_sync(
+                slot_files.read, path, ctx.info.description
+            )
+        except slot_files.SlotFileError as error:
+            raise InvalidRequest(f"{RESTORE_FAILED}: {error}") from None
+        if len(state.tokens) > ctx.info.context_length:
+            raise InvalidRequest("Restored prompt does not fit in the slot context")
+    reply = SlotReply(trio.Event())
+    kind = cast(SlotKind, action)  # one of SLOT_ACTIONS, checked above
+    await ctx.scheduler_tx.send(SlotAction(kind, slot, reply, state))
+    await reply.done.wait()
+    if reply.error is not None:
+        if action == "restore":
+            raise InvalidRequest(f"{RESTORE_FAILED}: {reply.error}")
+        raise InternalError(f"Unable to {action} slot: {reply.error}")
+    if action == "erase":
+        return _json({"id_slot": slot, "n_erased": reply.n_tokens})
+    if action == "restore":
+        return _json(
+            {
+                "id_slot": slot,
+                "filename": path.name if path else "",
+                "n_restored": reply.n_tokens,
+                "n_read": n_read,
+                "timings": {"restore_ms": (time.perf_counter() - tic) * 1000.0},
+            }
+        )
+    assert path is not None and reply.state is not None
+    n_written = await trio.to_thread.run_sync(
+        slot_files.write, path, reply.state, ctx.info.description
+    )
+    return _json(
+        {
+            "id_slot": slot,
+            "filename": path.name,
+            "n_saved": reply.n_tokens,
+            "n_written": n_written,
+            "timings": {"save_ms": (time.perf_counter() - tic) * 1000.0},
+        }
     )
 
 

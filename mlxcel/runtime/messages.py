@@ -8,7 +8,7 @@ a test fails when it is stale.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -166,6 +166,12 @@ class GenerationRequest:
     reasoning_control: str | None = None
     # The n-gram loop breaker (max_pattern_size, min_pattern_size, min_count); None: off.
     loop_limit: LoopLimit | None = None
+    # llama-server's `id_slot`: run in this slot (its position in /slots); None: any free one.
+    id_slot: int | None = None
+    # Context shift (`--context-shift`): prompt tokens always kept (-1: the whole prompt;
+    # None: the server's --keep), and tokens dropped after them (0: half of the rest).
+    n_keep: int | None = None
+    n_discard: int = 0
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -195,6 +201,8 @@ class Tokenized:
     reasoning_open: bool = False
     # The request's constraint compiled to an llguidance grammar (off the compute thread).
     grammar: str | None = None
+    # Context shift cut the prompt to fit the context (llama-server's `truncated`).
+    truncated: bool = False
 
 
 # --- scheduler -> model runner ----------------------------------------------------------------
@@ -221,6 +229,11 @@ class InsertSequence:
     reasoning_open: bool = False
     # The reasoning may be ended on request (EndReasoning), so its thinking is tracked.
     reasoning_control: bool = False
+    # The slot (/slots position) the sequence runs in: its cache is that slot's once done.
+    slot: int = 0
+    # Context shift: tokens kept at the start, tokens dropped after them (0: half the rest).
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 @attrs.frozen
@@ -237,7 +250,40 @@ class EndReasoning:
     request_id: str
 
 
-SchedulerInbox = Tokenized | ResetCache | EndReasoning
+@attrs.frozen
+class SlotState:
+    """A slot's cached prompt: its tokens and, per layer, its keys and values (numpy arrays,
+    shaped like mlx-lm's KVCache buffers), on its way to or from a file."""
+
+    tokens: tuple[int, ...]
+    keys: tuple[Any, ...]
+    values: tuple[Any, ...]
+
+
+@attrs.define
+class SlotReply:
+    """What the compute thread did for a SlotAction; read once ``done`` is set."""
+
+    done: trio.Event
+    # Tokens saved, restored or erased.
+    n_tokens: int = 0
+    # save: the slot's cache, copied out of mlx (None: the slot holds nothing).
+    state: SlotState | None = None
+    error: str | None = None
+
+
+@attrs.frozen
+class SlotAction:
+    """/slots/{id}?action=: save (copy out), restore (install ``state``) or erase a slot's
+    cached prompt, between two steps."""
+
+    kind: Literal["save", "restore", "erase"]
+    slot: int
+    reply: SlotReply
+    state: SlotState | None = None
+
+
+SchedulerInbox = Tokenized | ResetCache | EndReasoning | SlotAction
 
 
 @attrs.frozen
@@ -252,6 +298,8 @@ class StepPlan:
     stop_choices: tuple[tuple[str, int], ...] = ()
     # Requests whose thinking block is to be closed now (the end marker is forced next).
     end_reasoning: tuple[str, ...] = ()
+    # Slot saves, restores and erases, applied before the step.
+    slot_actions: tuple[SlotAction, ...] = ()
 
 
 # --- model runner -> scheduler ----------------------------------------------------------------
@@ -293,6 +341,8 @@ class StepOutput:
     # Prompt tokens served from the prompt cache, per sequence inserted in this step.
     cached: tuple[tuple[str, int], ...] = ()
     cache: CacheStats | None = None
+    # Requests whose context was shifted in this step (--context-shift).
+    shifted: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -81,6 +81,13 @@ class Settings:
     # llama-server's gates: /metrics off, /slots on, POST /props off by default.
     metrics_endpoint: bool = False
     slots_endpoint: bool = True
+    # Folder of /slots save and restore files; None: those actions answer 501.
+    slot_save_path: Path | None = None
+    # llama-server's --context-shift (off by default, as there): a sequence that fills its
+    # context drops its oldest tokens after n_keep and goes on instead of stopping.
+    context_shift: bool = False
+    # --keep: prompt tokens a shift always keeps (-1: the whole prompt); requests' n_keep.
+    n_keep: int = 0
     props_endpoint: bool = False
     # Stored Responses and conversations (SQLite under cache_dir): entries 0 turns a store
     # off; bytes and TTL 0 mean unbounded.

@@ -155,6 +155,10 @@ class OutputSlot:
         self.cancelled = False
         # Ended by the shutdown drain, not by the model or the request's own limits.
         self.interrupted = False
+        # Context shift cut the prompt or dropped tokens to go on (llama-server's `truncated`).
+        self.context_shifted = False
+        # The slot (/slots position) it runs in; -1 until it starts.
+        self.id_slot = -1
 
     @property
     def n(self) -> int:

@@ -508,10 +508,6 @@ def test_infill_with_fim_tokens(tiny_model_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "kind", "message"),
     [
-        ("POST", "/slots/0?action=save", {"filename": "a.bin"}, 501, "not_supported_error", "save"),
-        ("POST", "/slots/1?action=erase", None, 501, "not_supported_error", "erase"),
-        ("POST", "/slots/0?action=fly", None, 400, "invalid_request_error", "Invalid action"),
-        ("POST", "/slots/99?action=erase", None, 400, "invalid_request_error", "slot id"),
         ("POST", "/lora-adapters", [{"id": 0, "scale": 0.5}], 400, "invalid_request_error", "LoRA"),
         ("GET", "/tools", None, 403, "feature_disabled", "/tools"),
         ("POST", "/cors-proxy", {"url": "http://x"}, 403, "feature_disabled", "/cors-proxy"),

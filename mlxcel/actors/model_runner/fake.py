@@ -70,6 +70,8 @@ class FakeBackend:
         return len(self._seqs)
 
     def apply(self, plan: StepPlan) -> StepOutput:
+        for action in plan.slot_actions:
+            action.reply.error = "the fake backend keeps no slot caches"
         gone = set(plan.removes)
         for key in [k for k in self._seqs if k[0] in gone]:
             del self._seqs[key]

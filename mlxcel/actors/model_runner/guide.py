@@ -163,6 +163,14 @@ class Guide:
     def _force(self, logits: mx.array, token: int) -> mx.array:
         return mx.where(self._kit.only(token), logits, _NEG_INF)
 
+    def rebase(self, unseen: int | None) -> None:
+        """The row goes on from a shorter context (a context shift): the next call's context
+        ends with the last token sampled. ``unseen``: that token, when this guide has not
+        read it yet (a row that reported it early)."""
+        self._base = None
+        if unseen is not None and self.error is None:
+            self._observe(unseen)
+
     def end_thinking(self) -> None:
         """Close the thinking block now: its end marker is forced from the next token on.
         Before the block has opened, it will be closed as soon as it does."""

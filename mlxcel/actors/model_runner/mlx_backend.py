@@ -23,6 +23,7 @@ from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
 from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.memory import release_idle_memory
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
+from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
@@ -95,6 +96,14 @@ class MlxBackend:
         self._guides: dict[int, Guide] = {}
         self._kit = _guide_kit(loaded, self._encode, self._vocab_size)
         self._cache = PromptCache(settings.cache_ram_mib << 20) if settings.cache_enabled else None
+        self._ctx = ctx
+        self._slots = SlotCaches(settings.parallel, self._cache, len(loaded.model.layers))
+        # The slot each request's first choice runs in (its donation is that slot's cache).
+        self._slot_of: dict[str, int] = {}
+        # --context-shift: per row, (n_keep, n_discard, prompt length); rows reading a shift's
+        # kept tokens again report no prefill progress (their request read its prompt once).
+        self._shift: dict[int, tuple[int, int, int]] | None = {} if settings.context_shift else None
+        self._rereading: set[int] = set()
         # Process-wide (the embedder's thread allocates through the same mlx allocator).
         mx.set_cache_limit(settings.mlx_cache_limit_mib << 20)
         self._busy = False
@@ -116,6 +125,8 @@ class MlxBackend:
     def apply(self, plan: StepPlan) -> StepOutput:
         if plan.reset_cache and self._cache is not None:
             self._cache.reset()
+        for action in plan.slot_actions:
+            self._slots.apply(action)
         if plan.removes or plan.stop_choices:
             self._remove(plan.removes, plan.stop_choices)
         for ending in plan.end_reasoning:
@@ -148,18 +159,87 @@ class MlxBackend:
                 key = self._cache_key.pop(rid, None)
                 if key is not None and self._cache is not None and r.prompt_cache is not None:
                     self._cache.store(key, list(r.all_tokens or ()), r.prompt_cache)
+                    self._slots.donated(self._slot_of.get(rid, -1), key, list(r.all_tokens or ()))
                 self._forget(r.uid)
+        shifted_rids: tuple[str, ...] = ()
+        if self._shift is not None:
+            shifted_rids = self._shift_full_rows(generation_responses)
         # Progress is the prompt's, read once by choice 0; the forked rows read nothing.
         prefill = tuple(
             PrefillProgress(self._rid_by_uid[p.uid], int(p.progress[0]), int(p.progress[1]))
             for p in prompt_responses
-            if self._choice_by_uid.get(p.uid) == 0
+            if self._choice_by_uid.get(p.uid) == 0 and p.uid not in self._rereading
         )
         if self._forks:
             self._fork(prompt_responses)
         return StepOutput(
-            tokens=tuple(tokens), prefill=prefill, errors=errors, cached=cached, cache=self._stats()
+            tokens=tuple(tokens),
+            prefill=prefill,
+            errors=errors,
+            cached=cached,
+            cache=self._stats(),
+            shifted=shifted_rids,
         )
+
+    def _shift_full_rows(self, responses: list[Any]) -> tuple[str, ...]:
+        """Rows whose context is full leave the batch and join again with their kept tokens
+        (``slots`` explains why they are read again rather than moved)."""
+        assert self._shift is not None
+        batch = self._gen._generation_batch
+        moves = []
+        for r in responses:
+            if r.finish_reason is not None or r.uid not in self._shift:
+                continue
+            found = row_state(batch, r.uid, r.token)
+            if found is None or len(found[1]) + 1 < self._ctx:
+                continue
+            i, tokens, early = found
+            n_keep, n_discard, n_prompt = self._shift[r.uid]
+            moves.append(
+                (
+                    r.uid,
+                    r.token if early else None,
+                    shifted(tokens, self._ctx, n_keep, n_discard, n_prompt),
+                    batch.max_tokens[i] - batch._num_tokens[i],
+                    batch.samplers[i],
+                    batch.logits_processors[i],
+                    batch.stop_sequences[i],
+                )
+            )
+        if not moves:
+            return ()
+        self._gen.remove([m[0] for m in moves])
+        rids = []
+        for old, unseen, tokens, left, sampler, processors, stops in moves:
+            (new,) = self._gen.insert(
+                [tokens],
+                max_tokens=[max(left, 1)],
+                all_tokens=[[]],
+                samplers=[sampler],
+                logits_processors=[processors],
+                stop_sequences=[stops],
+            )
+            self._rename(old, new)
+            self._rereading.add(new)
+            if (guide := self._guides.get(new)) is not None:
+                guide.rebase(unseen)
+            rids.append(self._rid_by_uid[new])
+        return tuple(dict.fromkeys(rids))
+
+    def _rename(self, old: int, new: int) -> None:
+        """A row that joined again under a new uid keeps everything it had."""
+        rid = self._rid_by_uid.pop(old)
+        self._rid_by_uid[new] = rid
+        self._choice_by_uid[new] = self._choice_by_uid.pop(old)
+        if old in self._logprobs:
+            self._logprobs[new] = self._logprobs.pop(old)
+        if old in self._guides:
+            self._guides[new] = self._guides.pop(old)
+        assert self._shift is not None
+        self._shift[new] = self._shift.pop(old)
+        self._rereading.discard(old)
+        uids = self._uids_by_rid[rid]
+        uids[uids.index(old)] = new
 
     def _failed_guides(self, responses: list[Any]) -> tuple[tuple[str, str], ...]:
         """Requests with a row whose matcher failed: every row of theirs leaves the batch, and
@@ -278,6 +358,13 @@ class MlxBackend:
             self._uids_by_rid.setdefault(rid, []).append(uid)
             if r.seq.logprobs is not None:
                 self._logprobs[uid] = r.seq.logprobs
+            if self._shift is not None:
+                self._shift[uid] = (r.seq.n_keep, r.seq.n_discard, len(r.seq.prompt_tokens))
+            if r.choice == 0:
+                # The slot now holds this sequence: what it cached before is no longer its own
+                # (the entry stays in the prompt cache for any prompt that shares it).
+                self._slots.donated(r.seq.slot, None, [])
+            self._slot_of.setdefault(rid, r.seq.slot)
         return uids
 
     def _fork(self, prompt_responses: list[Any]) -> None:
@@ -297,11 +384,15 @@ class MlxBackend:
         self._logprobs.pop(uid, None)
         self._guides.pop(uid, None)
         self._forks.pop(uid, None)
+        if self._shift is not None:
+            self._shift.pop(uid, None)
+            self._rereading.discard(uid)
         uids = self._uids_by_rid[rid]
         uids.remove(uid)
         if not uids:
             del self._uids_by_rid[rid]
             self._cache_key.pop(rid, None)
+            self._slot_of.pop(rid, None)
 
     def _remove(self, requests: tuple[str, ...], choices: tuple[tuple[str, int], ...]) -> None:
         """Drop whole requests, and single choices of others."""
@@ -320,6 +411,7 @@ class MlxBackend:
             cache, tokens = caches[uid]
             assert self._cache is not None
             self._cache.store(key, list(tokens), cache)
+            self._slots.donated(self._slot_of.get(self._rid_by_uid[uid], -1), key, list(tokens))
         for uid in uids:
             self._forget(uid)
 

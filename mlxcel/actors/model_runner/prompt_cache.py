@@ -56,6 +56,31 @@ class PromptCache:
         # Entries that left besides the replaced prefix: LRU or byte-budget evictions.
         self.evictions += max(0, before + 1 - len(self._lru))
 
+    def entry(self, key: str, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """The cache of the longest prefix of these tokens held, and its length. The entry
+        stored for exactly these tokens comes as it is (read it, never change it); one that
+        a longer sequence has since replaced comes as a trimmed copy."""
+        trie = self._lru._trie
+        if trie.search(key, tokens).exact is not None:
+            return list(trie.get(key, tokens).prompt_cache), len(tokens)
+        cache, rest = self._lru.fetch_nearest_cache(key, tokens)
+        if cache is None:
+            return None, 0
+        mx.eval(_arrays(cache))
+        return cache, len(tokens) - len(rest)
+
+    def remove(self, key: str, tokens: list[int]) -> bool:
+        """Drop the entry for exactly these tokens (a slot erase). mlx-lm's LRU has no public
+        removal, so this does what its own eviction does."""
+        lru = self._lru
+        if lru._trie.search(key, tokens).exact is None:
+            return False
+        entry = lru._trie.pop(key, tokens)
+        lru._lru.remove(key, tokens)
+        lru._n_bytes -= entry.nbytes
+        lru._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+        return True
+
     def reset(self) -> None:
         self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=self._max_bytes)
 

@@ -53,13 +53,23 @@ class SchedulerState:
             if held == rid:
                 self.slots[i] = None
 
-    def _occupy(self, item: Tokenized) -> None:
+    def _occupy(self, item: Tokenized) -> int:
+        """Give the request its slots (choice 0 in ``id_slot`` when it names one); return the
+        slot of choice 0."""
         rid, n = item.request.request_id, item.request.n
         self.running[rid] = item
         self.live[rid] = set(range(n))
         free = [i for i, held in enumerate(self.slots) if held is None]
+        # Slots that waiting requests name go last, so that those find theirs free.
+        wanted = {w.request.id_slot for w in self.waiting}
+        free.sort(key=lambda i: i in wanted)
+        pinned = item.request.id_slot
+        if pinned is not None and pinned in free:
+            free.remove(pinned)
+            free.insert(0, pinned)
         for choice, i in zip(range(n), free, strict=False):
             self.slots[i], self.slot_choices[i] = rid, choice
+        return free[0] if free else 0
 
     def _end_choice(self, rid: str, choice: int) -> bool:
         """One choice stopped decoding; True when that was the request's last one."""
@@ -79,6 +89,11 @@ class SchedulerState:
     def rows(self) -> int:
         """Batch rows in use: one per choice still decoding."""
         return sum(len(live) for live in self.live.values())
+
+    def _slot_busy(self, item: Tokenized) -> bool:
+        """It names a slot (id_slot) that another request holds."""
+        pinned = item.request.id_slot
+        return pinned is not None and pinned < self.parallel and self.slots[pinned] is not None
 
     def _fits(self, item: Tokenized) -> bool:
         # A request wider than the batch (HTTP rejects those) still runs once alone.
@@ -142,16 +157,21 @@ def plan(
     for item in dropped:
         state.arrived.pop(item.request.request_id, None)
     started: list[Tokenized] = []
+    slot_of: dict[str, int] = {}
     # Decided once per plan: when the window opens, everyone waiting joins together.
     join = bool(state.waiting) and state.may_join(now)
     while join and state.waiting and state.rows < state.parallel:
         # Strict priority between lanes, FIFO within a lane (no ageing, as llama-server).
-        best = min(range(len(state.waiting)), key=lambda i: state.waiting[i].request.priority)
+        # A request whose slot (id_slot) is busy is passed over, as llama-server defers it.
+        ready = [i for i, w in enumerate(state.waiting) if not state._slot_busy(w)]
+        if not ready:
+            break
+        best = min(ready, key=lambda i: state.waiting[i].request.priority)
         item = state.waiting[best]
         if not state._fits(item):
             break  # the head of the line waits for rows; nobody overtakes it
         del state.waiting[best]
-        state._occupy(item)
+        slot_of[item.request.request_id] = state._occupy(item)
         state.arrived.pop(item.request.request_id, None)
         started.append(item)
 
@@ -169,6 +189,9 @@ def plan(
             thinking_budget=item.request.thinking_budget,
             reasoning_open=item.reasoning_open,
             reasoning_control=item.request.reasoning_control is not None,
+            slot=slot_of[item.request.request_id],
+            n_keep=item.request.n_keep if item.request.n_keep is not None else 0,
+            n_discard=item.request.n_discard,
         )
         for item in started
     )
