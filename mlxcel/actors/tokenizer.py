@@ -97,11 +97,10 @@ class TokenizerActor:
 
     def grammar(self, request: GenerationRequest) -> str | None:
         """The llguidance grammar for the request's constraint (InvalidRequest: a 400)."""
-        tools = self._generic_tools(request)
-        constraint = request.constraint
-        if tools:
-            return _generic_grammar(request, tools)
-        if constraint is None:
+        generic_tools = self._generic_tools(request)
+        if generic_tools:
+            return _generic_grammar(request, generic_tools)
+        if request.constraint is None:
             return None
         if self._special is None:
             self._special = grammars.special_tokens(self._tok)
@@ -121,6 +120,22 @@ class TokenizerActor:
         tail = str(self._tok.decode(tokens[-16:], skip_special_tokens=False))
         return self._reasoning.opened_by(tail)
 
+    def _generic_messages(
+        self, request: GenerationRequest, messages: tuple[dict[str, object], ...]
+    ) -> tuple[dict[str, object], ...]:
+        """The template is not told about tools: they, earlier calls and their results are
+        text it can render whatever it supports."""
+        offered = self._generic_tools(request)
+        forced = isinstance(request.constraint, ForcedToolCall)
+        parallel = _parallel(request)
+        system = (
+            generic.system_prompt(offered, parallel=parallel, required=forced) if offered else None
+        )
+        try:
+            return tuple(generic.render_messages(messages, system, parallel=parallel))
+        except ValueError as error:
+            raise InvalidRequest(f"Invalid messages: {error}", param="messages") from None
+
     def render(self, request: GenerationRequest) -> str:
         """The exact text the model will read (the chat template applied)."""
         prompt = request.prompt
@@ -128,18 +143,7 @@ class TokenizerActor:
             case ChatPrompt(messages=messages, tools=tools, template_kwargs=kwargs):
                 extra: dict[str, object] = dict(kwargs)
                 if self._tool_format is ToolFormat.GENERIC:
-                    # The template is not told about tools: they, earlier calls and their
-                    # results are text it can render whatever it supports.
-                    offered = self._generic_tools(request)
-                    forced = isinstance(request.constraint, ForcedToolCall)
-                    system = (
-                        generic.system_prompt(offered, parallel=_parallel(request), required=forced)
-                        if offered
-                        else None
-                    )
-                    messages = tuple(
-                        generic.render_messages(messages, system, parallel=_parallel(request))
-                    )
+                    messages = self._generic_messages(request, messages)
                 elif tools:
                     extra["tools"] = list(tools)
                 # A final assistant turn to continue (an Anthropic prefill) replaces the new one.
@@ -228,7 +232,7 @@ def _generic_grammar(request: GenerationRequest, tools: tuple[dict[str, object],
                 "A grammar cannot be combined with tools on this model (generic tool calls)",
                 param="grammar",
             )
-    names = [grammars.tool_name(t) for t in tools]
+    every = [grammars.tool_name(t) for t in tools]
     return grammars.generic_tool_grammar(
-        tools, names, parallel=_parallel(request), required=False, response_schema=response
+        tools, every, parallel=_parallel(request), required=False, response_schema=response
     )

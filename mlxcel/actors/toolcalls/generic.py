@@ -41,7 +41,8 @@ REQUIRED_INSTRUCTION = "Respond in JSON format with `{calls}` (a request to call
 
 
 def _described(tool: Mapping[str, Any]) -> dict[str, Any]:
-    fn = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+    nested = tool.get("function")
+    fn: Mapping[str, Any] = nested if isinstance(nested, Mapping) else tool
     out: dict[str, Any] = {"name": fn.get("name")}
     if fn.get("description"):
         out["description"] = fn["description"]
@@ -70,7 +71,9 @@ def system_prompt(tools: Sequence[Mapping[str, Any]], *, parallel: bool, require
 def _call_text(calls: list[Any], parallel: bool) -> str:
     out = []
     for call in calls:
-        fn = call.get("function", call) if isinstance(call, Mapping) else {}
+        fn = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping):
+            raise ValueError("a tool call must be an object with a `function` object")
         out.append({"name": fn.get("name"), "arguments": fn.get("arguments", {})})
     single = len(out) == 1 and not parallel
     body: dict[str, Any] = {"tool_call": out[0]} if single else {"tool_calls": out}
@@ -82,13 +85,15 @@ def render_messages(
 ) -> list[dict[str, Any]]:
     """Messages any chat template renders: tool calls and results as text (calls in the shape
     this turn asks for), and ``system`` (the tool description) appended to the first system
-    message or put first."""
+    message or put first. ValueError for a malformed tool call."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}
     for msg in messages:
         role = msg.get("role")
         if role == "assistant" and msg.get("tool_calls"):
-            calls = list(msg["tool_calls"])  # type: ignore[call-overload]
+            calls = msg["tool_calls"]
+            if not isinstance(calls, list):
+                raise ValueError("tool_calls must be a list")
             for call in calls:
                 if isinstance(call, Mapping) and isinstance(call.get("function"), Mapping):
                     names[str(call.get("id"))] = str(call["function"].get("name"))
@@ -183,7 +188,8 @@ class GenericParser:
 
     def _response(self) -> list[Event]:
         """Decode the response string as far as it has come; the rest of the object is dropped."""
-        buf, i, parts = self._buf, self._pos, []
+        buf, i = self._buf, self._pos
+        parts: list[str] = []
         while i < len(buf):
             c = buf[i]
             if c == '"':
