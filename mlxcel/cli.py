@@ -21,6 +21,9 @@ from mlxcel.runtime.settings import Settings, default_cache_dir
 
 log = logging.getLogger("mlxcel")
 
+# --tool-format: ToolFormat's values between "auto" and "none" (kept literal: the CLI imports
+# no server code).
+TOOL_FORMATS = ["auto", "generic", "hermes", "llama3_json", "mistral", "pythonic", "none"]
 _TRUE = {"1", "true", "yes", "on", "enabled"}
 _FALSE = {"0", "false", "no", "off", "disabled"}
 
@@ -379,6 +382,15 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         choices=["reasoning", "none"],
         help="the OpenRouter-style `reasoning` copy of reasoning_content in chat (none: left out)",
     )
+    opt(
+        "--tool-format",
+        env="MLXCEL_TOOL_FORMAT",
+        default=d.tool_format,
+        choices=TOOL_FORMATS,
+        help="tool-call format: auto (the template's own, else generic), generic (tools in the "
+        "system prompt, answers as constrained JSON) for any model, a native one "
+        "(hermes, llama3_json, mistral, pythonic), or none (tools are refused)",
+    )
     p.add_argument(
         "--skip-chat-parsing",
         action="store_true",
@@ -680,6 +692,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         # argparse checks choices on the command line only, not on a default from the env.
         "--reasoning-format": args.reasoning_format in ("auto", "deepseek", "none"),
         "--reasoning-alias-field": args.reasoning_alias_field in ("reasoning", "none"),
+        "--tool-format": args.tool_format in TOOL_FORMATS,
         "--audio-queue-depth": args.audio_queue_depth >= 1,
         "--audio-request-timeout-secs": args.audio_request_timeout_secs > 0,
         "--realtime-max-sessions": args.realtime_max_sessions >= 1,
@@ -742,6 +755,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         reasoning_format=args.reasoning_format,
         reasoning_alias_field=args.reasoning_alias_field,
         skip_chat_parsing=args.skip_chat_parsing,
+        tool_format=args.tool_format,
         audio=args.audio,
         stt_model=args.stt_model,
         tts_model=args.tts_model,

@@ -29,6 +29,7 @@ from mlxcel.actors.side_models import GenerationDisabled, start_side_models
 from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
+from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.actors.toolcalls import detect as detect_tools
 from mlxcel.drain import drain
 from mlxcel.http.app import create_app
@@ -82,6 +83,15 @@ def hypercorn_config(settings: Settings) -> Config:
     return config
 
 
+def choose_tool_format(flag: str, detected: ToolFormat | None) -> ToolFormat | None:
+    """--tool-format: the template's own format, else generic (llama-server's fallback)."""
+    if flag == "none":
+        return None
+    if flag == "auto":
+        return detected or ToolFormat.GENERIC
+    return ToolFormat(flag)
+
+
 async def serve(
     settings: Settings,
     *,
@@ -114,7 +124,9 @@ async def serve(
             else side.model_info()
         )
         # Output formats are read off the chat template (and special tokens) once, here.
-        tool_format = detect_tools(info.chat_template, info.tokenizer.get_vocab())
+        tool_format = choose_tool_format(
+            settings.tool_format, detect_tools(info.chat_template, info.tokenizer.get_vocab())
+        )
         reasoning = detect_reasoning(info.chat_template)
         # What the streamer takes out of the text: --reasoning-format none keeps thinking in
         # it, --skip-chat-parsing keeps everything (the prompt side, tools rendered and

@@ -94,6 +94,12 @@ def _marker(text: str, special: Mapping[str, int]) -> str:
     return f"<[{token}]>" if token is not None else _lit(text)
 
 
+def tool_name(tool: Mapping[str, Any]) -> str:
+    """A tool's name, in OpenAI's ``{"function": {...}}`` nesting or flat."""
+    fn = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+    return str(fn.get("name")) if isinstance(fn, Mapping) else ""
+
+
 def _tool_index(tools: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[tuple[str, Any]]:
     by_name: dict[str, Any] = {}
     for tool in tools:
@@ -172,6 +178,39 @@ def tool_call_lark(
     return "\n".join([f"start: {start}", *rules]) + "\n"
 
 
+def generic_tool_grammar(
+    tools: Sequence[Mapping[str, Any]],
+    names: Sequence[str],
+    *,
+    parallel: bool,
+    required: bool,
+    response_schema: Mapping[str, Any] | None = None,
+) -> str:
+    """The generic format's answer (see ``mlxcel.actors.toolcalls.generic``): a call of one of
+    ``names`` (a list of calls with ``parallel``), or with ``required`` false a ``response``
+    that is a string or matches ``response_schema``."""
+    calls = _calls_schema(_tool_index(tools, names), "arguments")
+    key, value = (
+        ("tool_calls", {"type": "array", "items": calls, "minItems": 1})
+        if parallel
+        else ("tool_call", calls)
+    )
+    schema: dict[str, Any] = _object({key: value})
+    if not required:
+        reply = _object({"response": response_schema or {"type": "string"}})
+        schema = {"anyOf": [schema, reply]}
+    return schema_grammar(json.dumps(schema), param="tools")
+
+
+def _object(props: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props),
+        "additionalProperties": False,
+    }
+
+
 def grammar_for(
     constraint: Constraint,
     *,
@@ -190,8 +229,12 @@ def grammar_for(
                 raise InvalidRequest("tool_choice needs tools", param="tool_choice")
             if tool_format is None:
                 raise InvalidRequest(
-                    "This model's chat template has no tool-call format, so it cannot call tools.",
+                    "Tool calls are turned off on this server (--tool-format none).",
                     param="tool_choice",
+                )
+            if tool_format is ToolFormat.GENERIC:
+                return generic_tool_grammar(
+                    tools, constraint.names, parallel=constraint.parallel, required=True
                 )
             lark = tool_call_lark(constraint, tools, tool_format, special)
             return _check(LLMatcher.grammar_from_lark(lark), "tools")

@@ -19,7 +19,7 @@ import trio
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
 from mlxcel.actors.loops import LoopDetector
 from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, ReasoningSplitter
-from mlxcel.actors.toolcalls import StreamParser, TextDelta, ToolCallStart, ToolFormat, make_parser
+from mlxcel.actors.toolcalls import Parser, TextDelta, ToolCallStart, ToolFormat, make_parser
 from mlxcel.runtime.errors import InternalError
 from mlxcel.runtime.messages import (
     CloseStream,
@@ -67,7 +67,7 @@ class _Stream:
     detok: IncrementalDetokenizer
     stops: StopMatcher
     reasoning: ReasoningSplitter | None = None
-    tools: StreamParser | None = None
+    tools: Parser | None = None
     single_call: bool = False
     calls: int = 0
     last_token_at: float | None = None

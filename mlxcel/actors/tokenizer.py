@@ -7,6 +7,7 @@ a thread while the streamer decodes on the Trio thread.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, assert_never
 
@@ -14,11 +15,14 @@ import trio
 
 from mlxcel.actors import grammars
 from mlxcel.actors.reasoning import ReasoningFormat
-from mlxcel.actors.toolcalls import ToolFormat
+from mlxcel.actors.toolcalls import ToolFormat, generic
 from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
     ChatPrompt,
+    ForcedToolCall,
     GenerationRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
     Submit,
     TextPrompt,
     Tokenized,
@@ -68,7 +72,7 @@ class TokenizerActor:
                 opened = self._opens_reasoning(tokens)
                 grammar = (
                     await trio.to_thread.run_sync(self.grammar, sub.request)
-                    if sub.request.constraint is not None
+                    if sub.request.constraint is not None or self._generic_tools(sub.request)
                     else None
                 )
             except MlxcelError as error:
@@ -87,8 +91,22 @@ class TokenizerActor:
                 )
             )
 
+    def _generic_tools(self, request: GenerationRequest) -> tuple[dict[str, object], ...]:
+        """The tools offered in the generic format (none: a native format, or not offered)."""
+        if self._tool_format is not ToolFormat.GENERIC:
+            return ()
+        prompt, constraint = request.prompt, request.constraint
+        if not isinstance(prompt, ChatPrompt) or not prompt.tools:
+            return ()
+        if request.parse_tools or isinstance(constraint, ForcedToolCall):
+            return prompt.tools
+        return ()
+
     def grammar(self, request: GenerationRequest) -> str | None:
         """The llguidance grammar for the request's constraint (InvalidRequest: a 400)."""
+        generic_tools = self._generic_tools(request)
+        if generic_tools:
+            return _generic_grammar(request, generic_tools)
         if request.constraint is None:
             return None
         if self._special is None:
@@ -109,13 +127,31 @@ class TokenizerActor:
         tail = str(self._tok.decode(tokens[-16:], skip_special_tokens=False))
         return self._reasoning.opened_by(tail)
 
+    def _generic_messages(
+        self, request: GenerationRequest, messages: tuple[dict[str, object], ...]
+    ) -> tuple[dict[str, object], ...]:
+        """The template is not told about tools: they, earlier calls and their results are
+        text it can render whatever it supports."""
+        offered = self._generic_tools(request)
+        forced = isinstance(request.constraint, ForcedToolCall)
+        parallel = _parallel(request)
+        system = (
+            generic.system_prompt(offered, parallel=parallel, required=forced) if offered else None
+        )
+        try:
+            return tuple(generic.render_messages(messages, system, parallel=parallel))
+        except ValueError as error:
+            raise InvalidRequest(f"Invalid messages: {error}", param="messages") from None
+
     def render(self, request: GenerationRequest) -> str:
         """The exact text the model will read (the chat template applied)."""
         prompt = request.prompt
         match prompt:
             case ChatPrompt(messages=messages, tools=tools, template_kwargs=kwargs):
                 extra: dict[str, object] = dict(kwargs)
-                if tools:
+                if self._tool_format is ToolFormat.GENERIC:
+                    messages = self._generic_messages(request, messages)
+                elif tools:
                     extra["tools"] = list(tools)
                 # A final assistant turn to continue (an Anthropic prefill) replaces the new one.
                 add_generation = not extra.get("continue_final_message", False)
@@ -191,3 +227,37 @@ def truncate_prompt(tokens: list[int], n_ctx: int, n_keep: int) -> list[int]:
     block = max(1, (n_ctx - keep) // 2)
     erased = (len(tokens) - keep - block) // block
     return tokens[:keep] + tokens[keep + erased * block :]
+
+
+def _parallel(request: GenerationRequest) -> bool:
+    """A list of calls in the generic format: only when the client asked for parallel calls
+    (llama-server's default is one call; a small model given a list repeats its items)."""
+    if isinstance(request.constraint, ForcedToolCall) and not request.constraint.parallel:
+        return False
+    return request.parallel_tool_calls is True
+
+
+def _generic_grammar(request: GenerationRequest, tools: tuple[dict[str, object], ...]) -> str:
+    """A call, or (tool_choice auto) a response that follows any response_format given."""
+    constraint = request.constraint
+    response: dict[str, Any] | None = None
+    match constraint:
+        case ForcedToolCall(names=names):
+            return grammars.generic_tool_grammar(
+                tools, names, parallel=_parallel(request), required=True
+            )
+        case JsonSchemaFormat(schema_json=schema):
+            response = json.loads(schema)
+        case JsonObjectFormat():
+            response = {"type": "object"}
+        case None:
+            pass
+        case _:
+            raise InvalidRequest(
+                "A grammar cannot be combined with tools on this model (generic tool calls)",
+                param="grammar",
+            )
+    every = [grammars.tool_name(t) for t in tools]
+    return grammars.generic_tool_grammar(
+        tools, every, parallel=_parallel(request), required=False, response_schema=response
+    )

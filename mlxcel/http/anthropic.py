@@ -25,8 +25,7 @@ from mlxcel.http.chat_render import Collected
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import start_generation
-from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
-from mlxcel.runtime.messages import ForcedToolCall
+from mlxcel.runtime.errors import InternalError, MlxcelError
 from mlxcel.runtime.slot import OutputSlot
 
 bp = Blueprint("anthropic", __name__)
@@ -45,11 +44,7 @@ async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, str]:
     )
     model = ctx.check_model(req.body.model)
     gen = req.generation
-    if (gen.parse_tools or isinstance(gen.constraint, ForcedToolCall)) and ctx.tool_format is None:
-        raise InvalidRequest(
-            "This model's chat template has no tool-call format, so it cannot call tools.",
-            param="tools",
-        )
+    ctx.check_tools(gen)
     return req, model
 
 

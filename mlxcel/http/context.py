@@ -20,8 +20,8 @@ from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime import json_input
-from mlxcel.runtime.errors import NotFound
-from mlxcel.runtime.messages import SchedulerInbox
+from mlxcel.runtime.errors import InvalidRequest, NotFound
+from mlxcel.runtime.messages import ForcedToolCall, GenerationRequest, SchedulerInbox
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
 from mlxcel.runtime.system import LongLived
@@ -38,7 +38,7 @@ class ServerContext:
     scheduler: Scheduler
     scheduler_tx: trio.MemorySendChannel[SchedulerInbox]
     metrics: Metrics
-    # The model's tool-call format (None: the model cannot call tools).
+    # The tool-call format in use (None: --tool-format none, tools are refused).
     tool_format: ToolFormat | None = None
     created: int = attrs.field(factory=lambda: int(time.time()))
     ready: bool = False
@@ -76,6 +76,17 @@ class ServerContext:
             f"(also reachable as 'default').",
             param="model",
         )
+
+    def check_tools(self, gen: GenerationRequest) -> None:
+        """A 400 for a request that offers tools when tool calls are off (--tool-format none)."""
+        if self.tool_format is None and (
+            gen.parse_tools or isinstance(gen.constraint, ForcedToolCall)
+        ):
+            raise InvalidRequest(
+                "Tool calls are turned off on this server (--tool-format none), so it cannot "
+                "call tools.",
+                param="tools",
+            )
 
     @property
     def accepted_names(self) -> frozenset[str]:

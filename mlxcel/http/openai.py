@@ -148,11 +148,7 @@ async def chat_completions() -> Response:
     model = ctx.check_model(body.model)
     if body.reasoning_control:
         gen = attrs.evolve(gen, reasoning_control=key_scope(ctx.settings))
-    if gen.parse_tools and ctx.tool_format is None:
-        raise InvalidRequest(
-            "This model's chat template has no tool-call format, so it cannot call tools.",
-            param="tools",
-        )
+    ctx.check_tools(gen)
     slot = await start_generation(ctx, gen)
     created = int(time.time())
     base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}

@@ -353,6 +353,7 @@ def chat_request(
         ),
         parse_tools=parse_tools,
         single_tool_call=body.parallel_tool_calls is False,
+        parallel_tool_calls=body.parallel_tool_calls,
         sampling=sampling_params(body, defaults, vocab_size),
         max_tokens=max_tokens,
         stop=_stop(body.stop),

@@ -267,11 +267,7 @@ async def create() -> Response:
     gen = build([*history, *items])
     if body.truncation == "auto":
         gen = await trio.to_thread.run_sync(_truncated, ctx, gen, [*history, *items], build)
-    if gen.parse_tools and ctx.tool_format is None:
-        raise InvalidRequest(
-            "This model's chat template has no tool-call format, so it cannot call tools.",
-            param="tools",
-        )
+    ctx.check_tools(gen)
     stored = body.store is not False and store.enabled("responses")
     base = _echo(ctx, body, rid, model, conv, stored)
     slot = await start_generation(ctx, gen)

@@ -445,6 +445,7 @@ def generation_request(
         logprobs=(body.top_logprobs or 0) if wants_logprobs else None,
         parse_tools=tools is not None and body.tool_choice != "none",
         single_tool_call=body.parallel_tool_calls is False or body.max_tool_calls == 1,
+        parallel_tool_calls=body.parallel_tool_calls and body.max_tool_calls != 1,
         constraint=forced or text_format,
         thinking_budget=budget,
     )

@@ -154,6 +154,9 @@ class GenerationRequest:
     parse_tools: bool = False
     # Keep at most the first tool call (parallel_tool_calls: false).
     single_tool_call: bool = False
+    # The client's own parallel_tool_calls (None: not sent). The generic format writes a list of
+    # calls only when it is true, as llama-server does (a small model repeats list items).
+    parallel_tool_calls: bool | None = None
     # Grammar-constrained decoding for this sequence (structured output, forced tool calls).
     constraint: Constraint | None = None
     # Cap on reasoning tokens before the end-of-thinking marker is forced: None unlimited,

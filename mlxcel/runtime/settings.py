@@ -105,6 +105,9 @@ class Settings:
     # reasoning_content (Anthropic thinking blocks, Responses reasoning items); "none" leaves
     # the raw output, markers included, in the content.
     reasoning_format: str = "auto"
+    # --tool-format: "auto" (the template's own format, else generic), "generic" for any model,
+    # a native format's name (ToolFormat's values), or "none" (requests with tools get a 400).
+    tool_format: str = "auto"
     # llama-server's --skip-chat-parsing: the raw output is the content, tool calls included.
     skip_chat_parsing: bool = False
     # The OpenRouter-style `reasoning` copy of `reasoning_content` in chat ("none": left out).

@@ -145,3 +145,36 @@ def test_budget_aliases_and_server_default() -> None:
         with pytest.raises(InvalidRequest) as info:
             budget({"thinking_budget_tokens": bad}, -1)
         assert info.value.param == "thinking_budget_tokens"
+
+
+GENERIC_CALL = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}'
+NOW = '{"name": "now", "arguments": {}}'
+GENERIC_LIST = '{"tool_calls": [' + NOW + ", " + NOW + "]}"
+GENERIC_REPLY = '{"response": "It is sunny."}'
+
+
+@pytest.mark.parametrize(
+    ("parallel", "required", "accepted", "refused"),
+    [
+        (False, True, [GENERIC_CALL], [GENERIC_LIST, GENERIC_REPLY]),
+        (True, True, [GENERIC_LIST], [GENERIC_CALL, GENERIC_REPLY]),
+        (False, False, [GENERIC_CALL, GENERIC_REPLY], [GENERIC_LIST]),
+    ],
+)
+def test_generic_grammar_allows_calls_and_a_reply_only_as_asked(
+    parallel: bool,
+    required: bool,
+    accepted: list[str],
+    refused: list[str],
+    ll: LLTokenizer,
+    smollm_tokenizer: Any,
+) -> None:
+    names = ["get_weather", "now"]
+    g = grammars.generic_tool_grammar(TOOLS, names, parallel=parallel, required=required)
+    for text in accepted:
+        assert _accepts(ll, smollm_tokenizer, g, text), text
+    for text in refused:
+        assert not _accepts(ll, smollm_tokenizer, g, text), text
+    # Arguments follow the tool's schema: "days" is required and an integer.
+    bad = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}}'
+    assert not _accepts(ll, smollm_tokenizer, g, bad)

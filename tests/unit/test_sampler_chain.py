@@ -381,3 +381,21 @@ def test_validate_accepts_edges() -> None:
         ),
         vocab_size=10,
     )
+
+
+def test_seeded_top_k_draw_ignores_last_bit_differences_in_the_logits() -> None:
+    # A row's logits differ in their last bits with the batch around it (matmul blocking);
+    # the seeded draw over the top-k candidates must not follow their argpartition order.
+    rng = random.Random(0)
+    # Rounded, so that many tail logits tie and the nudge decides how the partition goes.
+    logits = [round(rng.gauss(0.0, 2.0), 2) for _ in range(4096)]
+    row = mx.array([logits])
+    x = row - mx.logsumexp(row, axis=-1, keepdims=True)
+    nudged = x + mx.array([[rng.uniform(-1e-6, 1e-6) for _ in logits]])
+    same = 0
+    for seed in range(40):
+        config = sc.SamplerConfig(temperature=1.0, top_k=40, seed=seed)
+        _, a = sc.build(config, vocab_size=4096, encode=no_encode)
+        _, b = sc.build(config, vocab_size=4096, encode=no_encode)
+        same += a(x).item() == b(nudged).item()
+    assert same == 40

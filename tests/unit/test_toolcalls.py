@@ -392,3 +392,33 @@ def test_random_marker_soup_never_raises_and_matches_complete(fmt: ToolFormat) -
             assert merged(stream(fmt, chunks)) == whole, text
         if not calls:
             assert content == text  # nothing is lost when nothing is a call
+
+
+G = ToolFormat.GENERIC
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ('{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}', None,
+         [call(0, "get_weather", WEATHER)]),
+        ('{"tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": "}"}}]}',
+         None, [call(0, "a", {}), call(1, "b", {"x": "}"})]),
+        ('{"response": "Hi \\"you\\"\\n\\u00e9 \\ud83d\\ude00"}', 'Hi "you"\né 😀', []),
+        ('{"response": {"a": 1}}', '{"a": 1}', []),  # a response_format schema's value
+        # Cut off by max_tokens, or not the generic shape: the raw text is the answer.
+        ('{"tool_call": {"name": "a", "argu', '{"tool_call": {"name": "a", "argu', []),
+        ('{"other": 1}', '{"other": 1}', []),
+    ],
+)  # fmt: skip
+def test_generic_format(text: str, content: str | None, calls: list[ToolCall]) -> None:
+    assert complete(G, text) == (content, calls)
+    assert_chunking_invariant(G, text)
+
+
+def test_generic_response_streams_while_it_is_decoded() -> None:
+    parser = make_parser(G)
+    assert parser.feed('{"response": "Hel') == [TextDelta("Hel")]
+    assert parser.feed("lo \\") == [TextDelta("lo ")]  # the escape waits for its character
+    assert parser.feed('n"}') == [TextDelta("\n")]
+    assert parser.finish() == []

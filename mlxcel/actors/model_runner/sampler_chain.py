@@ -223,6 +223,10 @@ class _Filters:
         kept = None
         if 0 < self.top_k < x.shape[-1]:
             kept = mx.argpartition(-x, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+            # In token-id order: argpartition's order follows the logits' last bits, which
+            # change with the batch, and the draw's noise goes by position, so an unsorted
+            # list gave a seeded row another token whenever its neighbours changed.
+            kept = mx.sort(kept, axis=-1)
             x = mx.take_along_axis(x, kept, axis=-1)
         if self.typical_p < 1.0:
             x = typical(x, self.typical_p)

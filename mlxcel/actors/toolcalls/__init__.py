@@ -11,11 +11,14 @@ Use::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mlxcel.actors.toolcalls._stream import StreamParser
 from mlxcel.actors.toolcalls.detect import detect
 from mlxcel.actors.toolcalls.events import (
     Event,
     IdFactory,
+    Parser,
     TextDelta,
     ToolCall,
     ToolCallArgs,
@@ -31,10 +34,12 @@ from mlxcel.actors.toolcalls.formats import (
     MistralParser,
     PythonicParser,
 )
+from mlxcel.actors.toolcalls.generic import GenericParser
 
 __all__ = [
     "Event",
     "IdFactory",
+    "Parser",
     "StreamParser",
     "TextDelta",
     "ToolCall",
@@ -48,15 +53,16 @@ __all__ = [
     "parse_complete",
 ]
 
-_PARSERS: dict[ToolFormat, type[StreamParser]] = {
+_PARSERS: dict[ToolFormat, Callable[[IdFactory], Parser]] = {
     ToolFormat.HERMES: HermesParser,
     ToolFormat.LLAMA3_JSON: Llama3JsonParser,
     ToolFormat.MISTRAL: MistralParser,
     ToolFormat.PYTHONIC: PythonicParser,
+    ToolFormat.GENERIC: GenericParser,
 }
 
 
-def make_parser(fmt: ToolFormat, *, new_id: IdFactory | None = None) -> StreamParser:
+def make_parser(fmt: ToolFormat, *, new_id: IdFactory | None = None) -> Parser:
     """A fresh incremental parser; ``new_id`` makes call ids deterministic in tests."""
     return _PARSERS[fmt](new_id or default_id_factory(fmt))
 

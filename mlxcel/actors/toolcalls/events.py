@@ -12,6 +12,7 @@ import enum
 import secrets
 import string
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import attrs
 
@@ -23,6 +24,9 @@ class ToolFormat(enum.StrEnum):
     LLAMA3_JSON = "llama3_json"  # <|python_tag|>{"name": ..., "parameters": ...} or bare JSON
     MISTRAL = "mistral"  # [TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}
     PYTHONIC = "pythonic"  # [f(a=1), g()] (Llama 4, Llama 3.2 pythonic templates)
+    # llama-server's fallback for templates with none: tools described in the system prompt,
+    # the answer one JSON object {"tool_call": ...} / {"tool_calls": [...]} / {"response": ...}.
+    GENERIC = "generic"
 
 
 @attrs.frozen
@@ -53,6 +57,16 @@ class ToolCallEnd:
 
 
 Event = TextDelta | ToolCallStart | ToolCallArgs | ToolCallEnd
+
+
+class Parser(Protocol):
+    """What the streamer drives: text in, events out; neither method raises on model output."""
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]:
+        """Decide everything still held back."""
+        ...
 
 
 @attrs.frozen
