@@ -24,6 +24,7 @@ from mlxcel.runtime.errors import (
     InvalidRequest,
     NotImplementedRoute,
     ServiceError,
+    UnsupportedField,
 )
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams, SlotAction, SlotReply
 
@@ -261,6 +262,8 @@ async def metrics() -> Response:
 
 
 SLOT_ACTIONS = ("save", "restore", "erase")
+# The save and restore body's one key (also the OpenAPI document's).
+SLOT_FIELDS = frozenset({"filename"})
 SlotKind = Literal["save", "restore", "erase"]
 RESTORE_FAILED = "Unable to restore slot, no available space in KV cache or invalid slot save file"
 
@@ -291,6 +294,8 @@ async def slot_action(slot_id: str) -> Response:
     path = None
     if action != "erase":
         body = await read_json()
+        if isinstance(body, dict) and set(body) - SLOT_FIELDS:
+            raise UnsupportedField(sorted(set(body) - SLOT_FIELDS)[0])
         filename = body.get("filename") if isinstance(body, dict) else None
         if not slot_files.valid_filename(filename):
             raise InvalidRequest("Invalid filename", param="filename")
