@@ -178,6 +178,7 @@ class Scheduler:
         for rid, n in output.cached:
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.placed(n)
+                self._metrics.record_cached(n)
         prefill = 0
         for p in output.prefill:
             prefill += p.done - self._prefilled.get(p.request_id, 0)
