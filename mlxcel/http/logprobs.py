@@ -6,6 +6,7 @@ then its text is shown as `bytes:\\xNN...` as OpenAI does, while `bytes` carries
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,3 +73,18 @@ def legacy(tok: Any, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[s
 def native(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """llama-server's `completion_probabilities` (n_probs)."""
     return _entries(tok, entries, with_id=True)
+
+
+def as_probs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """llama-server's ``post_sampling_probs`` shape: ``prob`` and ``top_probs`` in place of
+    ``logprob`` and ``top_logprobs``. The values are the model's probabilities (this server
+    scores tokens before the sampler's truncation), so they can be compared across requests."""
+
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in e.items() if k not in ("logprob", "top_logprobs")}
+        out["prob"] = math.exp(e["logprob"])
+        if "top_logprobs" in e:
+            out["top_probs"] = [one(t) for t in e["top_logprobs"]]
+        return out
+
+    return [one(e) for e in entries]
