@@ -134,6 +134,17 @@ def _prompts(value: Any, tok: Any) -> list[Prompt]:
 
 
 def _one_prompt(value: Any, tok: Any, where: str) -> Prompt:
+    if isinstance(value, dict):
+        # llama-server's object prompt: {"prompt_string", "multimodal_data"}; text models only.
+        if value.get("multimodal_data"):
+            raise InvalidRequest(
+                f"{where}.multimodal_data: image input is not supported: this server serves "
+                "text models",
+                param="prompt",
+            )
+        value = value.get("prompt_string")
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{where}.prompt_string must be a string", param="prompt")
     if isinstance(value, str):
         return TextPrompt(text=value)
     if isinstance(value, list):
@@ -351,7 +362,9 @@ async def _collect(ctx: ServerContext, call: _Call, slot: OutputSlot, index: int
 
 def _probs(ctx: ServerContext, call: _Call, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
     scored = logprobs.native(ctx.info.tokenizer, lps)
-    return logprobs.as_probs(scored) if call.body.post_sampling_probs else scored
+    if not call.body.post_sampling_probs:
+        return scored
+    return logprobs.as_probs(scored, greedy=call.gen.sampling.temperature == 0)
 
 
 def _json(obj: Any) -> Response:

@@ -75,16 +75,21 @@ def native(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     return _entries(tok, entries, with_id=True)
 
 
-def as_probs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def as_probs(entries: list[dict[str, Any]], *, greedy: bool = False) -> list[dict[str, Any]]:
     """llama-server's ``post_sampling_probs`` shape: ``prob`` and ``top_probs`` in place of
     ``logprob`` and ``top_logprobs``. The values are the model's probabilities (this server
-    scores tokens before the sampler's truncation), so they can be compared across requests."""
+    scores tokens before the sampler's truncation), except under greedy decoding
+    (temperature 0), where sampling leaves one candidate: the chosen token has probability 1
+    and the others 0, as llama-server reports."""
 
-    def one(e: dict[str, Any]) -> dict[str, Any]:
+    def one(e: dict[str, Any], chosen: Any) -> dict[str, Any]:
         out = {k: v for k, v in e.items() if k not in ("logprob", "top_logprobs")}
-        out["prob"] = math.exp(e["logprob"])
+        if greedy:
+            out["prob"] = 1.0 if (e.get("id"), e.get("token")) == chosen else 0.0
+        else:
+            out["prob"] = math.exp(e["logprob"])
         if "top_logprobs" in e:
-            out["top_probs"] = [one(t) for t in e["top_logprobs"]]
+            out["top_probs"] = [one(t, chosen) for t in e["top_logprobs"]]
         return out
 
-    return [one(e) for e in entries]
+    return [one(e, (e.get("id"), e.get("token"))) for e in entries]

@@ -206,6 +206,7 @@ async def chat_completions() -> Response:
     tok = ctx.info.tokenizer
     wants_logprobs = gen.logprobs is not None
     alias = ctx.settings.reasoning_alias_field != "none"
+    greedy = gen.sampling.temperature == 0
     if body.stream:
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
 
@@ -224,7 +225,9 @@ async def chat_completions() -> Response:
             if body.post_sampling_probs:
                 for c in choices:
                     if c["logprobs"] is not None:
-                        c["logprobs"]["content"] = logprobs.as_probs(c["logprobs"]["content"])
+                        c["logprobs"]["content"] = logprobs.as_probs(
+                            c["logprobs"]["content"], greedy=greedy
+                        )
             return choices
 
         return _stream(
@@ -244,7 +247,7 @@ async def chat_completions() -> Response:
             return None
         out = logprobs.chat(tok, c.logprobs)
         if body.post_sampling_probs:
-            out["content"] = logprobs.as_probs(out["content"])
+            out["content"] = logprobs.as_probs(out["content"], greedy=greedy)
         return out
 
     choices = [

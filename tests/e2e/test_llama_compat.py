@@ -266,6 +266,23 @@ def test_completion_post_sampling_probs(preset: ServerProcess) -> None:
         assert 0.0 < tok["prob"] <= 1.0 and "logprob" not in tok and len(tok["top_probs"]) == 4
 
 
+def test_greedy_post_sampling_probs_are_one_hot(preset: ServerProcess) -> None:
+    body = {"prompt": "Once", "n_predict": 3, "n_probs": 4, "temperature": 0}
+    probs = post(preset, "/completion", {**body, "post_sampling_probs": True}).json()
+    for tok in probs["completion_probabilities"]:
+        assert tok["prob"] == 1.0
+        assert sorted(p["prob"] for p in tok["top_probs"]) == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_completion_takes_an_object_prompt(preset: ServerProcess) -> None:
+    body = {"n_predict": 2, "temperature": 0, "cache_prompt": False}
+    text = post(preset, "/completion", {**body, "prompt": "I believe"}).json()
+    obj = post(preset, "/completion", {**body, "prompt": {"prompt_string": "I believe"}})
+    assert obj.status_code == 200 and obj.json()["content"] == text["content"]
+    image = {"prompt_string": "a <__media__>", "multimodal_data": ["iVBORw0KGgo="]}
+    assert post(preset, "/completion", {**body, "prompt": image}).status_code == 400
+
+
 def test_logit_bias_keys_may_be_text(preset: ServerProcess) -> None:
     body = {"prompt": "Once upon", "n_predict": 1, "temperature": 0, "return_tokens": True}
     first = post(preset, "/completion", body).json()
