@@ -313,26 +313,25 @@ async def _run(body: NativeCompletionBody, prompts: list[Prompt]) -> Response:
     cap = ctx.settings.n_predict
     reported = cap if asked is None or asked < 0 else min(asked, cap) if cap > 0 else asked
     calls = [_Call(body, _request(body, p, asked), _prompt_text(p), reported) for p in prompts]
-    if len(calls) == 1:
-        slot = await start_generation(ctx, calls[0].gen)
-        if body.stream:
-            return _stream(ctx, calls[0], slot)
-        return _json(await _collect(ctx, calls[0], slot, 0))
-    if body.stream:
-        raise InvalidRequest(
-            "a stream takes one prompt; send several prompts without stream", param="stream"
-        )
-    # Several prompts: each its own generation, all submitted before any is read (a slot
-    # keeps its output until read), one result each in order.
+    # Each prompt is its own generation, all submitted before any is read (a slot keeps its
+    # output until read); results come in prompt order, each with its index.
     slots: list[OutputSlot] = []
     try:
         for call in calls:
             slots.append(await start_generation(ctx, call.gen))
-        pairs = enumerate(zip(calls, slots, strict=True))
-        return _json([await _collect(ctx, call, slot, i) for i, (call, slot) in pairs])
+    except BaseException:
+        for slot in slots:
+            slot.cancel()
+        raise
+    runs = list(zip(calls, slots, strict=True))
+    if body.stream:
+        return _stream(ctx, runs)
+    try:
+        results = [await _collect(ctx, call, slot, i) for i, (call, slot) in enumerate(runs)]
     finally:
         for slot in slots:
             slot.cancel()
+    return _json(results[0] if len(results) == 1 else results)
 
 
 async def _collect(ctx: ServerContext, call: _Call, slot: OutputSlot, index: int) -> Any:
@@ -371,49 +370,59 @@ def _json(obj: Any) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
 
 
-def _stream(ctx: ServerContext, call: _Call, slot: OutputSlot) -> Response:
+def _stream(ctx: ServerContext, runs: list[tuple[_Call, OutputSlot]]) -> Response:
+    """Every prompt's frames in turn, each ending with its final object (llama-server tags
+    them with the prompt's index); the others keep generating meanwhile."""
+    body0 = runs[0][0].body
     ping = ctx.ping_interval
-    if call.body.sse_ping_interval is not None:
-        ping = call.body.sse_ping_interval or float("inf")
+    if body0.sse_ping_interval is not None:
+        ping = body0.sse_ping_interval or float("inf")
 
-    async def body() -> AsyncIterator[bytes]:
-        progressed = False
-        try:
-            while True:
-                try:
-                    update = await slot.next(timeout=ping)
-                except MlxcelError as error:
-                    yield sse.data(envelope(error, "native"))
-                    return
-                if update is None:
-                    yield sse.KEEPALIVE
-                    continue
-                if update.text or update.logprobs or update.token_ids:
-                    frame: dict[str, Any] = {
-                        "index": 0,
-                        "content": update.text,
-                        "tokens": list(update.token_ids),
-                        "stop": False,
-                        "id_slot": -1,
-                        "tokens_predicted": slot.completion_tokens,
-                        "tokens_evaluated": slot.prompt_tokens,
-                    }
-                    if call.body.return_progress and not progressed:
-                        progressed = True
-                        frame["prompt_progress"] = prompt_progress(slot)
-                    if call.body.timings_per_token:
-                        frame["timings"] = timings(slot)
-                    if update.logprobs:
-                        frame["completion_probabilities"] = _probs(ctx, call, list(update.logprobs))
-                    yield sse.data(frame)
-                if update.finish_reason is not None:
-                    final = final_object(ctx, call, slot, "", update.finish_reason)
-                    yield sse.data(_project(final, call.body.response_fields))
-                    return
-        finally:
+    def cancel() -> None:
+        for _, slot in runs:
             slot.cancel()
 
-    return sse.response(body(), slot.cancel)
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            for index, (call, slot) in enumerate(runs):
+                progressed = False
+                while True:
+                    try:
+                        update = await slot.next(timeout=ping)
+                    except MlxcelError as error:
+                        yield sse.data(envelope(error, "native"))
+                        return
+                    if update is None:
+                        yield sse.KEEPALIVE
+                        continue
+                    if update.text or update.logprobs or update.token_ids:
+                        frame: dict[str, Any] = {
+                            "index": index,
+                            "content": update.text,
+                            "tokens": list(update.token_ids),
+                            "stop": False,
+                            "id_slot": -1,
+                            "tokens_predicted": slot.completion_tokens,
+                            "tokens_evaluated": slot.prompt_tokens,
+                        }
+                        if call.body.return_progress and not progressed:
+                            progressed = True
+                            frame["prompt_progress"] = prompt_progress(slot)
+                        if call.body.timings_per_token:
+                            frame["timings"] = timings(slot)
+                        if update.logprobs:
+                            frame["completion_probabilities"] = _probs(
+                                ctx, call, list(update.logprobs)
+                            )
+                        yield sse.data(frame)
+                    if update.finish_reason is not None:
+                        final = final_object(ctx, call, slot, "", update.finish_reason, index=index)
+                        yield sse.data(_project(final, call.body.response_fields))
+                        break
+        finally:
+            cancel()
+
+    return sse.response(body(), cancel)
 
 
 @bp.post("/completion")

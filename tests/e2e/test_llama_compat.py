@@ -241,6 +241,12 @@ def test_completion_takes_a_list_of_prompts_and_mixed_arrays(preset: ServerProce
     assert both.status_code == 200, both.text
     assert [r["index"] for r in both.json()] == [0, 1]
     assert [r["content"] for r in both.json()] == [one["content"]] * 2
+    streamed = frames(preset, "/completion", {"prompt": [ids, text], "stream": True, **greedy})
+    finals = [f for f in streamed if f["stop"]]
+    assert [f["index"] for f in finals] == [0, 1]
+    for i in (0, 1):
+        got = "".join(f["content"] for f in streamed if f["index"] == i and not f["stop"])
+        assert got == one["content"]
     mixed = post(preset, "/completion", {"prompt": [1, 2, 3, text, 4, text], **greedy})
     assert mixed.status_code == 200 and mixed.json()["tokens_evaluated"] > 2 * len(ids)
     bad = post(preset, "/completion", {"prompt": [[["x"]]], **greedy})
