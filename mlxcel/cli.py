@@ -70,6 +70,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     opt(
         "-a", "--alias", env="LLAMA_ARG_ALIAS", default=d.alias, help="id the model is served under"
     )
+    p.add_argument(
+        "--strict-model-names",
+        action="store_true",
+        default=_env_bool("MLXCEL_STRICT_MODEL_NAMES", d.strict_model_names),
+        help="answer 404 to a request naming a model this server does not serve (default: "
+        "serve any name, as llama-server in single-model mode) (env: MLXCEL_STRICT_MODEL_NAMES)",
+    )
     opt(
         "--cache-dir",
         env="MLXCEL_CACHE_DIR",
@@ -703,6 +710,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return Settings(
         model=args.model,
         alias=args.alias,
+        strict_model_names=args.strict_model_names,
         host=args.host,
         port=args.port,
         ctx_size=args.ctx_size,

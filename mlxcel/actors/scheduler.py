@@ -190,6 +190,7 @@ class Scheduler:
         for rid, n in output.cached:
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.placed(n)
+                self._metrics.record_cached(n)
         for rid in output.shifted:
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.context_shifted = True

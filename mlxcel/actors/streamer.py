@@ -173,7 +173,7 @@ class Streamer:
         if final and matched is None:
             emit += stream.stops.flush()
         self._route(stream, emit, final)
-        stream.slot.push("", n, lp, choice=t.choice)
+        stream.slot.push("", n, lp, choice=t.choice, token=t.token if n else None)
         if not final:
             return
         streams[t.choice] = None

@@ -16,7 +16,7 @@ import trio
 from mlxcel.actors import grammars
 from mlxcel.actors.reasoning import ReasoningFormat
 from mlxcel.actors.toolcalls import ToolFormat, generic
-from mlxcel.runtime.errors import InternalError, InvalidRequest, MlxcelError
+from mlxcel.runtime.errors import ContextOverflow, InternalError, InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
     ChatPrompt,
     ForcedToolCall,
@@ -199,14 +199,15 @@ class TokenizerActor:
     def budget(self, request: GenerationRequest, n_prompt: int) -> int:
         room = self._ctx - n_prompt
         if room <= 0:
-            raise InvalidRequest(
-                f"The request exceeds the available context size: {n_prompt} prompt tokens, "
-                f"context size {self._ctx}.",
+            raise ContextOverflow(
+                n_prompt,
+                self._ctx,
                 param="messages" if isinstance(request.prompt, ChatPrompt) else "prompt",
             )
         cap = request.max_tokens
-        if cap is None and self._n_predict > 0:
-            cap = self._n_predict
+        if self._n_predict > 0:
+            # --n-predict caps what a request asks for (llama-server clamps to the smaller).
+            cap = self._n_predict if cap is None else min(cap, self._n_predict)
         if self._context_shift:
             # The context never ends: only the cap (or an end-of-sequence token) stops it.
             return UNLIMITED if cap is None else cap

@@ -8,7 +8,6 @@ A stream sends `data:` frames and ends with the full final object; there is no `
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,9 +17,10 @@ from quart import Blueprint, Response
 from mlxcel.http import logprobs, sse, structured_wire
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import envelope
-from mlxcel.http.openai import start_generation
+from mlxcel.http.openai import prompt_progress, start_generation, timings
 from mlxcel.http.openai_wire import new_id, token_ids
 from mlxcel.http.ops import NotSupported, request_settings
+from mlxcel.http.prompt_forms import encode_mixed, is_int, is_mixed
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
 from mlxcel.http.security import key_scope
 from mlxcel.http.slot_wire import SlotFields, slot_options
@@ -81,28 +81,79 @@ class NativeCompletionBody(SamplingFields, SlotFields):
     n: Any = None
     n_cmpl: Any = None
     t_max_predict_ms: Any = None
-    return_tokens: Any = None
-    return_progress: Any = None
     verbose: Any = None
+    # The generated ids in the final object (a stream's frames always carry theirs).
+    return_tokens: Any = None
+    # A stream's first frame carries `prompt_progress`.
+    return_progress: Any = None
+    # Probabilities (`prob`, `top_probs`) instead of log-probabilities in n_probs output.
+    post_sampling_probs: Any = None
 
 
 @attrs.frozen(kw_only=True)
 class InfillBody(NativeCompletionBody):
     input_prefix: str = ""
     input_suffix: str = ""
-    input_extra: list[dict[str, str]] | None = None
+    input_extra: Any = None
 
 
-def _prompt(value: Any, vocab: int) -> Prompt:
-    """llama-server's one prompt: a string or token ids, either alone or as the only element
-    of a list (one level: a deeper nesting is not a prompt)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+def _input_extra(value: Any) -> list[tuple[str, str]]:
+    """llama-server's `input_extra`: a list of {"text": string, "filename"?: string}."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidRequest(
+            'input_extra must be an array of {"filename": string, "text": string}',
+            param="input_extra",
+        )
+    out = []
+    for i, chunk in enumerate(value):
+        at = f"input_extra[{i}]"
+        if not isinstance(chunk, dict) or not isinstance(chunk.get("text"), str):
+            raise InvalidRequest(f'{at} must contain a "text" field with a string value', param=at)
+        name = chunk.get("filename", "")
+        if not isinstance(name, str):
+            raise InvalidRequest(f"{at}.filename must be a string", param=at)
+        out.append((name, chunk["text"]))
+    return out
+
+
+# Prompts in one request (each is a generation of its own, run side by side).
+MAX_PROMPTS = 64
+
+
+def _prompts(value: Any, tok: Any) -> list[Prompt]:
+    """llama-server's prompt forms: one prompt (a string, token ids, or ids mixed with
+    strings), or a list of such prompts, one result each."""
+    if isinstance(value, list) and value and not all(is_int(v) for v in value):
+        if not is_mixed(value):
+            if len(value) > MAX_PROMPTS:
+                raise InvalidRequest(f"prompt takes at most {MAX_PROMPTS} prompts", param="prompt")
+            return [_one_prompt(v, tok, f"prompt[{i}]") for i, v in enumerate(value)]
+    return [_one_prompt(value, tok, "prompt")]
+
+
+def _one_prompt(value: Any, tok: Any, where: str) -> Prompt:
+    if isinstance(value, dict):
+        # llama-server's object prompt: {"prompt_string", "multimodal_data"}; text models only.
+        if value.get("multimodal_data"):
+            raise InvalidRequest(
+                f"{where}.multimodal_data: image input is not supported: this server serves "
+                "text models",
+                param="prompt",
+            )
+        value = value.get("prompt_string")
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{where}.prompt_string must be a string", param="prompt")
     if isinstance(value, str):
         return TextPrompt(text=value)
     if isinstance(value, list):
-        return TokensPrompt(tokens=token_ids(value, vocab, "prompt"))
-    raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
+        ids = encode_mixed(value, tok) if is_mixed(value) else value
+        return TokensPrompt(tokens=token_ids(ids, len(tok), "prompt"))
+    raise InvalidRequest(
+        f"{where} must be a string or a list of token ids (strings may be mixed in)",
+        param="prompt",
+    )
 
 
 def _n_predict(body: NativeCompletionBody) -> int | None:
@@ -129,9 +180,11 @@ def _refuse(body: NativeCompletionBody) -> None:
             )
     if body.t_max_predict_ms not in (None, 0):
         raise InvalidRequest("t_max_predict_ms is not supported", param="t_max_predict_ms")
-    for name in ("return_tokens", "return_progress", "verbose"):
-        if getattr(body, name) not in (None, False):
-            raise InvalidRequest(f"{name} is not supported", param=name)
+    if body.verbose not in (None, False):
+        raise InvalidRequest("verbose is not supported", param="verbose")
+    for name in ("return_tokens", "return_progress", "post_sampling_probs"):
+        if not isinstance(getattr(body, name), (bool, type(None))):
+            raise InvalidRequest(f"{name} must be a boolean", param=name)
     options = body.stream_options
     if isinstance(options, dict) and not isinstance(options.get("include_usage", False), bool):
         raise InvalidRequest(
@@ -158,7 +211,9 @@ def _request(
     return GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=prompt,
-        sampling=sampling_params(body, ctx.settings.sampling, len(ctx.info.tokenizer)),
+        sampling=sampling_params(
+            body, ctx.settings.sampling, len(ctx.info.tokenizer), ctx.info.tokenizer
+        ),
         # llama-server: -1 means "until end of sequence or context"; 0 reads the prompt and,
         # as llama-server does, still emits one token.
         max_tokens=None if n_predict is None or n_predict < 0 else max(n_predict, 1),
@@ -176,29 +231,6 @@ def _request(
     )
 
 
-def _ms(a: float | None, b: float | None) -> float:
-    return (b - a) * 1000.0 if a is not None and b is not None else 0.0
-
-
-def _timings(slot: OutputSlot) -> dict[str, float]:
-    prompt_n = slot.prompt_tokens - slot.cached_tokens
-    prompt_ms = _ms(slot.started_at, slot.first_token_at)
-    end = slot.finished_at if slot.finished_at is not None else time.monotonic()
-    predicted_ms = _ms(slot.first_token_at, end)
-    n = slot.completion_tokens
-    return {
-        "cache_n": slot.cached_tokens,
-        "prompt_n": prompt_n,
-        "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-        "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_ms else 0.0,
-        "predicted_n": n,
-        "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / n if n else 0.0,
-        "predicted_per_second": n * 1000.0 / predicted_ms if predicted_ms else 0.0,
-    }
-
-
 @attrs.frozen
 class _Call:
     """One completion as asked: what its responses echo and how they are shaped."""
@@ -214,14 +246,23 @@ class _Call:
         return bool(self.body.stream)
 
 
-def final_object(ctx: ServerContext, call: _Call, slot: OutputSlot, text: str, finish: str) -> Any:
+def final_object(
+    ctx: ServerContext,
+    call: _Call,
+    slot: OutputSlot,
+    text: str,
+    finish: str,
+    *,
+    index: int = 0,
+    tokens: list[int] | None = None,
+) -> Any:
     stop_type = {"length": "limit"}.get(finish, "word" if slot.stop_word is not None else "eos")
     settings = request_settings(ctx, call.gen, n_predict=call.n_predict, stream=call.stream)
     # Key order as llama-server writes it.
     obj: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "content": text,
-        "tokens": [],
+        "tokens": tokens or [],
         "id_slot": slot.id_slot,
         "stop": True,
         "model": ctx.model_id,
@@ -230,11 +271,17 @@ def final_object(ctx: ServerContext, call: _Call, slot: OutputSlot, text: str, f
         "generation_settings": {"n_ctx": ctx.info.context_length, **settings},
         "prompt": call.prompt_text,
         "has_new_line": "\n" in text,
-        "truncated": slot.context_shifted,
+        # Generation stopped because the context was full (llama-server's meaning), or the
+        # context shifted under it (--context-shift).
+        "truncated": slot.context_shifted
+        or (
+            finish == "length"
+            and slot.prompt_tokens + slot.completion_tokens >= ctx.info.context_length
+        ),
         "stop_type": stop_type,
         "stopping_word": slot.stop_word or "",
         "tokens_cached": slot.cached_tokens,
-        "timings": _timings(slot),
+        "timings": timings(slot),
     }
     return obj
 
@@ -262,88 +309,137 @@ def _prompt_text(prompt: Prompt) -> str:
     return str(tok.decode(list(prompt.tokens))) if isinstance(prompt, TokensPrompt) else ""
 
 
-async def _run(body: NativeCompletionBody, prompt: Prompt) -> Response:
+async def _run(body: NativeCompletionBody, prompts: list[Prompt]) -> Response:
     ctx = server()
     ctx.check_model(body.model)
     asked = _n_predict(body)
-    gen = _request(body, prompt, asked)
-    reported = asked if asked is not None else ctx.settings.n_predict
-    call = _Call(body, gen, _prompt_text(prompt), reported)
-    slot = await start_generation(ctx, call.gen)
+    cap = ctx.settings.n_predict
+    reported = cap if asked is None or asked < 0 else min(asked, cap) if cap > 0 else asked
+    calls = [_Call(body, _request(body, p, asked), _prompt_text(p), reported) for p in prompts]
+    # Each prompt is its own generation, all submitted before any is read (a slot keeps its
+    # output until read); results come in prompt order, each with its index.
+    slots: list[OutputSlot] = []
+    try:
+        for call in calls:
+            slots.append(await start_generation(ctx, call.gen))
+    except BaseException:
+        for slot in slots:
+            slot.cancel()
+        raise
+    runs = list(zip(calls, slots, strict=True))
     if body.stream:
-        return _stream(ctx, call, slot)
+        return _stream(ctx, runs)
+    try:
+        results = [await _collect(ctx, call, slot, i) for i, (call, slot) in enumerate(runs)]
+    finally:
+        for slot in slots:
+            slot.cancel()
+    return _json(results[0] if len(results) == 1 else results)
+
+
+async def _collect(ctx: ServerContext, call: _Call, slot: OutputSlot, index: int) -> Any:
+    """One prompt's final object. Cancellation: the slot is cancelled (the work aborted)."""
     try:
         parts = []
         lps: list[TokenLogprob] = []
+        ids: list[int] = []
         while True:
             update = await slot.next()
             assert update is not None
             parts.append(update.text)
             lps.extend(update.logprobs)
+            ids.extend(update.token_ids)
             if update.finish_reason is not None:
                 break
     finally:
         slot.cancel()
-    obj = final_object(ctx, call, slot, "".join(parts), update.finish_reason)
+    tokens = ids if call.body.return_tokens else None
+    obj = final_object(
+        ctx, call, slot, "".join(parts), update.finish_reason, index=index, tokens=tokens
+    )
     if call.gen.logprobs is not None:
-        obj["completion_probabilities"] = logprobs.native(ctx.info.tokenizer, lps)
-    obj = _project(obj, body.response_fields)
+        obj["completion_probabilities"] = _probs(ctx, call, lps)
+    return _project(obj, call.body.response_fields)
+
+
+def _probs(ctx: ServerContext, call: _Call, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    scored = logprobs.native(ctx.info.tokenizer, lps)
+    if not call.body.post_sampling_probs:
+        return scored
+    return logprobs.as_probs(scored, greedy=call.gen.sampling.temperature == 0)
+
+
+def _json(obj: Any) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
 
 
-def _stream(ctx: ServerContext, call: _Call, slot: OutputSlot) -> Response:
+def _stream(ctx: ServerContext, runs: list[tuple[_Call, OutputSlot]]) -> Response:
+    """Every prompt's frames in turn, each ending with its final object (llama-server tags
+    them with the prompt's index); the others keep generating meanwhile."""
+    body0 = runs[0][0].body
     ping = ctx.ping_interval
-    if call.body.sse_ping_interval is not None:
-        ping = call.body.sse_ping_interval or float("inf")
+    if body0.sse_ping_interval is not None:
+        ping = body0.sse_ping_interval or float("inf")
+
+    def cancel() -> None:
+        for _, slot in runs:
+            slot.cancel()
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            while True:
-                try:
-                    update = await slot.next(timeout=ping)
-                except MlxcelError as error:
-                    yield sse.data(envelope(error, "native"))
-                    return
-                if update is None:
-                    yield sse.KEEPALIVE
-                    continue
-                if update.text or update.logprobs:
-                    frame: dict[str, Any] = {
-                        "index": 0,
-                        "content": update.text,
-                        "tokens": [],
-                        "stop": False,
-                        "id_slot": slot.id_slot,
-                        "tokens_predicted": slot.completion_tokens,
-                        "tokens_evaluated": slot.prompt_tokens,
-                    }
-                    if call.body.timings_per_token:
-                        frame["timings"] = _timings(slot)
-                    if update.logprobs:
-                        frame["completion_probabilities"] = logprobs.native(
-                            ctx.info.tokenizer, update.logprobs
-                        )
-                    yield sse.data(frame)
-                if update.finish_reason is not None:
-                    final = final_object(ctx, call, slot, "", update.finish_reason)
-                    yield sse.data(_project(final, call.body.response_fields))
-                    return
+            for index, (call, slot) in enumerate(runs):
+                progressed = False
+                while True:
+                    try:
+                        update = await slot.next(timeout=ping)
+                    except MlxcelError as error:
+                        yield sse.data(envelope(error, "native"))
+                        return
+                    if update is None:
+                        yield sse.KEEPALIVE
+                        continue
+                    if update.text or update.logprobs or update.token_ids:
+                        frame: dict[str, Any] = {
+                            "index": index,
+                            "content": update.text,
+                            "tokens": list(update.token_ids),
+                            "stop": False,
+                            "id_slot": slot.id_slot,
+                            "tokens_predicted": slot.completion_tokens,
+                            "tokens_evaluated": slot.prompt_tokens,
+                        }
+                        if call.body.return_progress and not progressed:
+                            progressed = True
+                            frame["prompt_progress"] = prompt_progress(slot)
+                        if call.body.timings_per_token:
+                            frame["timings"] = timings(slot)
+                        if update.logprobs:
+                            frame["completion_probabilities"] = _probs(
+                                ctx, call, list(update.logprobs)
+                            )
+                        yield sse.data(frame)
+                    if update.finish_reason is not None:
+                        final = final_object(ctx, call, slot, "", update.finish_reason, index=index)
+                        yield sse.data(_project(final, call.body.response_fields))
+                        break
         finally:
-            slot.cancel()
+            cancel()
 
-    return sse.response(body(), slot.cancel)
+    return sse.response(body(), cancel)
 
 
 @bp.post("/completion")
 @bp.post("/completions")
 async def completion() -> Response:
     body = structure(await read_json(), NativeCompletionBody)
-    return await _run(body, _prompt(body.prompt, len(server().info.tokenizer)))
+    return await _run(body, _prompts(body.prompt, server().info.tokenizer))
 
 
 @bp.post("/infill")
 async def infill() -> Response:
     body = structure(await read_json(), InfillBody)
+    # The request is checked before the model: a malformed one is a 400 on any model.
+    extra_chunks = _input_extra(body.input_extra)
     tok = server().info.tokenizer
     vocab = tok.get_vocab()
     fim = next((names for names in FIM_TOKENS if all(n in vocab for n in names)), None)
@@ -352,9 +448,9 @@ async def infill() -> Response:
             "This model has no fill-in-the-middle tokens, so /infill is not supported."
         )
     pre, suf, mid = (vocab[n] for n in fim)
-    extra = "".join(f"{e.get('filename', '')}\n{e.get('text', '')}" for e in body.input_extra or [])
+    extra = "".join(f"{name}\n{text}" for name, text in extra_chunks)
     ids = [pre, *tok.encode(extra + body.input_prefix, add_special_tokens=False), suf]
     ids += [*tok.encode(body.input_suffix, add_special_tokens=False), mid]
     prompt_text = body.prompt if isinstance(body.prompt, str) else ""
     ids += tok.encode(prompt_text, add_special_tokens=False)
-    return await _run(body, TokensPrompt(tokens=tuple(ids)))
+    return await _run(body, [TokensPrompt(tokens=tuple(ids))])

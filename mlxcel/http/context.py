@@ -68,8 +68,11 @@ class ServerContext:
         return self.info.model_id
 
     def check_model(self, requested: str | None) -> str:
-        """The served id for a request's `model` field; unknown names are a 404."""
-        if requested is None or requested in self.accepted_names:
+        """The served id for a request's `model` field. Any name is served (llama-server's
+        single-model mode); with --strict-model-names an unknown one is a 404."""
+        if requested is None or not self.settings.strict_model_names:
+            return self.model_id
+        if requested in self.accepted_names:
             return self.model_id
         raise NotFound(
             f"The model '{requested}' does not exist. This server serves '{self.model_id}' "

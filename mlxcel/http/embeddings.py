@@ -17,13 +17,15 @@ from typing import Any
 
 import attrs
 import numpy as np
+import trio
 from numpy.typing import NDArray
 from quart import Blueprint, Response
 
 from mlxcel.actors.embedder import Embedder, EmbedderInfo
 from mlxcel.http.context import ServerContext, read_json, server
+from mlxcel.http.prompt_forms import encode_mixed, is_int, is_mixed
 from mlxcel.runtime.codec import structure
-from mlxcel.runtime.errors import InvalidRequest, NotImplementedRoute
+from mlxcel.runtime.errors import InvalidRequest, NotFound, NotImplementedRoute
 from mlxcel.runtime.messages import EmbedInput
 
 bp = Blueprint("embeddings", __name__)
@@ -78,7 +80,7 @@ def _embedder(ctx: ServerContext) -> Embedder:
 
 
 def _check_model(requested: str | None, info: EmbedderInfo, ctx: ServerContext) -> str:
-    if requested is None:
+    if requested is None or not ctx.settings.strict_model_names:
         return info.model_id
     names = {info.model_id, "default"}
     if info.path is not None:
@@ -86,7 +88,7 @@ def _check_model(requested: str | None, info: EmbedderInfo, ctx: ServerContext) 
     if not ctx.generation and ctx.settings.alias:
         names.add(ctx.settings.alias)
     if requested not in names:
-        raise InvalidRequest(
+        raise NotFound(
             f"The model '{requested}' is not served here; this route serves '{info.model_id}'.",
             param="model",
         )
@@ -94,15 +96,18 @@ def _check_model(requested: str | None, info: EmbedderInfo, ctx: ServerContext) 
 
 
 def parse_inputs(value: Any, info: EmbedderInfo, key: str = "input") -> tuple[EmbedInput, ...]:
-    """A string, list of strings, token ids, or list of token-id lists -> model inputs."""
+    """llama-server's input forms -> model inputs: a string, token ids, or ids mixed with
+    strings (one input each); an object ``{prompt_string}`` or ``{content: [text parts]}``;
+    or a list of any of these (one input per element)."""
     if value is None:
         raise InvalidRequest('"input" or "content" must be provided', param=key)
-    if isinstance(value, str):
+    if isinstance(value, (str, dict)):
         items: list[Any] = [value]
     elif isinstance(value, list):
         if not value:
             raise InvalidRequest(f"'{key}' must not be empty", param=key)
-        items = [value] if all(_is_int(v) for v in value) else value
+        single = all(is_int(v) for v in value) or is_mixed(value)
+        items = [value] if single else value
     else:
         raise InvalidRequest(
             f"'{key}' must be a string, a list of strings, or token ids", param=key
@@ -113,12 +118,14 @@ def parse_inputs(value: Any, info: EmbedderInfo, key: str = "input") -> tuple[Em
     for i, item in enumerate(items):
         where = f"{key}[{i}]" if len(items) > 1 or not isinstance(value, str) else key
         if isinstance(item, dict):
-            item = _typed_part(item, where, key)
+            item = _object_input(item, where, key)
+        if isinstance(item, list) and is_mixed(item):
+            item = encode_mixed(item, info.tokenizer)
         if isinstance(item, str):
             if not item:
                 raise InvalidRequest(f"'{where}' must not be an empty string", param=key)
             out.append(item)
-        elif isinstance(item, list) and all(_is_int(t) for t in item):
+        elif isinstance(item, list) and all(is_int(t) for t in item):
             if not item:
                 raise InvalidRequest(f"'{where}' must not be an empty token list", param=key)
             bad = next((t for t in item if not 0 <= t < info.vocab_size), None)
@@ -130,13 +137,53 @@ def parse_inputs(value: Any, info: EmbedderInfo, key: str = "input") -> tuple[Em
                 )
             if len(item) > info.max_length:
                 raise InvalidRequest(
-                    f"'{where}' has {len(item)} tokens; this model reads at most {info.max_length}",
+                    f"'{where}' is too large to process: {len(item)} tokens; this model "
+                    f"reads at most {info.max_length}",
                     param=key,
                 )
             out.append(tuple(item))
         else:
             raise InvalidRequest(f"'{where}' must be a string or a list of token ids", param=key)
     return tuple(out)
+
+
+def _object_input(item: dict[str, Any], where: str, key: str) -> Any:
+    """llama-server's object inputs: ``{prompt_string: text}``, ``{content: [parts]}`` (their
+    texts joined), or one typed part ``{type: text, text}``."""
+    if isinstance(item.get("prompt_string"), str):
+        return item["prompt_string"]
+    if "content" in item:
+        parts = item["content"]
+        if not isinstance(parts, list) or not parts:
+            raise InvalidRequest(f"'{where}.content' must be a list of content parts", param=key)
+        texts = []
+        for i, part in enumerate(parts):
+            if not isinstance(part, dict):
+                raise InvalidRequest(f"'{where}.content[{i}]' must be an object", param=key)
+            texts.append(_typed_part(part, f"{where}.content[{i}]", key))
+        return "".join(texts)
+    return _typed_part(item, where, key)
+
+
+async def check_lengths(inputs: tuple[EmbedInput, ...], info: EmbedderInfo, key: str) -> None:
+    """A text longer than the model reads is a 400 saying it is too large (llama-server's
+    answer), not silently cut. Cancellation: the encoding thread finishes on its own."""
+    texts = [(i, t) for i, t in enumerate(inputs) if isinstance(t, str)]
+    if not texts or info.tokenizer is None:
+        return
+
+    def counts() -> list[int]:
+        enc = info.tokenizer([t for _, t in texts], add_special_tokens=True)["input_ids"]
+        return [len(e) for e in enc]
+
+    for (i, _), n in zip(texts, await trio.to_thread.run_sync(counts), strict=True):
+        if n > info.max_length:
+            where = f"{key}[{i}]" if len(inputs) > 1 else key
+            raise InvalidRequest(
+                f"'{where}' is too large to process: {n} tokens; this model reads at most "
+                f"{info.max_length}",
+                param=key,
+            )
 
 
 def _typed_part(part: dict[str, Any], where: str, key: str) -> Any:
@@ -152,10 +199,6 @@ def _typed_part(part: dict[str, Any], where: str, key: str) -> Any:
     raise InvalidRequest(
         f"'{where}' must be a string, token ids or {{type: text, text}}", param=key
     )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _normalize_mode(value: int | None, ctx: ServerContext) -> int:
@@ -217,6 +260,7 @@ async def openai_embeddings() -> Response:
         raise InvalidRequest(f"dimensions must be between 1 and {info.dim}", param="dimensions")
     mode = _normalize_mode(body.embd_normalize, ctx)
     inputs = parse_inputs(body.input, info)
+    await check_lengths(inputs, info, "input")
     result = await embedder.embed(inputs)
     vectors = np.asarray(result.values)
     if body.dimensions is not None:
@@ -246,7 +290,9 @@ async def native_embeddings() -> Response:
     _check_model(body.model, info, ctx)
     mode = _normalize_mode(body.embd_normalize, ctx)
     value, key = (body.input, "input") if body.input is not None else (body.content, "content")
-    result = await embedder.embed(parse_inputs(value, info, key))
+    inputs = parse_inputs(value, info, key)
+    await check_lengths(inputs, info, key)
+    result = await embedder.embed(inputs)
     vectors = normalize(np.asarray(result.values), mode)
     return _json([{"index": i, "embedding": [row.tolist()]} for i, row in enumerate(vectors)])
 

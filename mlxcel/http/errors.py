@@ -9,7 +9,7 @@ from typing import Literal
 
 from quart import Response
 
-from mlxcel.runtime.errors import InternalError, MlxcelError
+from mlxcel.runtime.errors import ContextOverflow, InternalError, MlxcelError
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,19 @@ def envelope(error: MlxcelError, family: Family = "openai") -> dict[str, object]
         return {"type": "error", "error": {"type": kind, "message": message}}
     if family == "native":
         # llama-server's own shape: {"error": {"code", "message", "type"}}.
-        return {"error": {"code": error.status, "message": error.message, "type": error.error_type}}
-    return {
-        "error": {
+        body: dict[str, object] = {
+            "code": error.status,
             "message": error.message,
             "type": error.error_type,
-            "param": error.param,
-            "code": None,
         }
-    }
+    else:
+        body = {"message": error.message, "type": error.error_type, "param": error.param}
+        body["code"] = None
+    if isinstance(error, ContextOverflow):
+        # llama-server adds the two sizes to the error object (both families).
+        body["n_prompt_tokens"] = error.n_prompt_tokens
+        body["n_ctx"] = error.n_ctx
+    return {"error": body}
 
 
 def error_response(error: MlxcelError, family: Family = "openai") -> Response:

@@ -6,6 +6,7 @@ then its text is shown as `bytes:\\xNN...` as OpenAI does, while `bytes` carries
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,3 +73,23 @@ def legacy(tok: Any, entries: Sequence[TokenLogprob], offset: int = 0) -> dict[s
 def native(tok: Any, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     """llama-server's `completion_probabilities` (n_probs)."""
     return _entries(tok, entries, with_id=True)
+
+
+def as_probs(entries: list[dict[str, Any]], *, greedy: bool = False) -> list[dict[str, Any]]:
+    """llama-server's ``post_sampling_probs`` shape: ``prob`` and ``top_probs`` in place of
+    ``logprob`` and ``top_logprobs``. The values are the model's probabilities (this server
+    scores tokens before the sampler's truncation), except under greedy decoding
+    (temperature 0), where sampling leaves one candidate: the chosen token has probability 1
+    and the others 0, as llama-server reports."""
+
+    def one(e: dict[str, Any], chosen: Any) -> dict[str, Any]:
+        out = {k: v for k, v in e.items() if k not in ("logprob", "top_logprobs")}
+        if greedy:
+            out["prob"] = 1.0 if (e.get("id"), e.get("token")) == chosen else 0.0
+        else:
+            out["prob"] = math.exp(e["logprob"])
+        if "top_logprobs" in e:
+            out["top_probs"] = [one(t, chosen) for t in e["top_logprobs"]]
+        return out
+
+    return [one(e, (e.get("id"), e.get("token"))) for e in entries]

@@ -53,6 +53,41 @@ def _usage(slot: OutputSlot, ctx: ServerContext) -> dict[str, Any]:
     return usage
 
 
+def _ms(a: float | None, b: float | None) -> float:
+    return (b - a) * 1000.0 if a is not None and b is not None else 0.0
+
+
+def timings(slot: OutputSlot) -> dict[str, float]:
+    """llama-server's `timings` object for a request so far."""
+    prompt_n = slot.prompt_tokens - slot.cached_tokens
+    prompt_ms = _ms(slot.started_at, slot.first_token_at)
+    end = slot.finished_at if slot.finished_at is not None else time.monotonic()
+    predicted_ms = _ms(slot.first_token_at, end)
+    n = slot.completion_tokens
+    return {
+        "cache_n": slot.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_ms else 0.0,
+        "predicted_n": n,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / n if n else 0.0,
+        "predicted_per_second": n * 1000.0 / predicted_ms if predicted_ms else 0.0,
+    }
+
+
+def prompt_progress(slot: OutputSlot) -> dict[str, float]:
+    """llama-server's `prompt_progress` (return_progress): sent once, when the prompt is read
+    (this server reads a prompt in one go from the client's point of view)."""
+    return {
+        "total": slot.prompt_tokens,
+        "cache": slot.cached_tokens,
+        "processed": slot.prompt_tokens,
+        "time_ms": _ms(slot.started_at, slot.first_token_at),
+    }
+
+
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 
 
@@ -99,17 +134,29 @@ def _stream(
     finish: FinishFn,
     first: dict[str, Any] | None,
     options: StreamOptions | None,
+    *,
+    timed: bool = False,
+    progress: bool = False,
 ) -> Response:
+    """``timed``: llama-server's timings_per_token (every chunk after the first carries the
+    timings so far); ``progress``: its return_progress (the first generated chunk carries
+    `prompt_progress`)."""
     ping = ctx.ping_interval
+    unsent = [progress]
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        if unsent[0] and choices:
+            unsent[0] = False
+            extra["prompt_progress"] = prompt_progress(slot)
+        if timed:
+            extra["timings"] = timings(slot)
         return sse.data({**base, "choices": choices, **extra})
 
     async def body() -> AsyncIterator[bytes]:
         try:
             if first is not None:
                 for index in range(slot.n):
-                    yield chunk([{**first, "index": index}])
+                    yield sse.data({**base, "choices": [{**first, "index": index}]})
             while not slot.delivered:
                 try:
                     updates = await slot.next_choices(timeout=ping)
@@ -144,6 +191,7 @@ async def chat_completions() -> Response:
         ctx.settings.sampling,
         len(ctx.info.tokenizer),
         reasoning_budget=ctx.settings.reasoning_budget,
+        tokenizer=ctx.info.tokenizer,
     )
     model = ctx.check_model(body.model)
     if body.reasoning_control:
@@ -155,6 +203,7 @@ async def chat_completions() -> Response:
     tok = ctx.info.tokenizer
     wants_logprobs = gen.logprobs is not None
     alias = ctx.settings.reasoning_alias_field != "none"
+    greedy = gen.sampling.temperature == 0
     if body.stream:
         base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
 
@@ -163,24 +212,46 @@ async def chat_completions() -> Response:
 
         first = {
             "index": 0,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": {"role": "assistant", "content": None},
             "logprobs": None,
             "finish_reason": None,
         }
+
+        def render(u: SlotUpdate) -> list[dict[str, Any]]:
+            choices = stream_choices(u, tok, wants_logprobs, alias)
+            if body.post_sampling_probs:
+                for c in choices:
+                    if c["logprobs"] is not None:
+                        c["logprobs"]["content"] = logprobs.as_probs(
+                            c["logprobs"]["content"], greedy=greedy
+                        )
+            return choices
+
         return _stream(
             ctx,
             slot,
             base,
-            lambda u: stream_choices(u, tok, wants_logprobs, alias),
+            render,
             finish_choice,
             first,
             body.stream_options,
+            timed=bool(body.timings_per_token),
+            progress=bool(body.return_progress),
         )
+
+    def scores(c: Collected) -> dict[str, Any] | None:
+        if not wants_logprobs:
+            return None
+        out = logprobs.chat(tok, c.logprobs)
+        if body.post_sampling_probs:
+            out["content"] = logprobs.as_probs(out["content"], greedy=greedy)
+        return out
+
     choices = [
         {
             "index": i,
             "message": message(c, alias),
-            "logprobs": logprobs.chat(tok, c.logprobs) if wants_logprobs else None,
+            "logprobs": scores(c),
             "finish_reason": c.finish_reason,
         }
         for i, c in enumerate(await _collect_choices(slot))
@@ -220,7 +291,7 @@ async def completions() -> Response:
     ctx = server()
     require_generation(ctx.generation)
     body, gen = completion_request(
-        await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer)
+        await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer), ctx.info.tokenizer
     )
     model = ctx.check_model(body.model)
     slot = await start_generation(ctx, gen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -67,6 +68,15 @@ class ChatCompletionBody(SamplingFields, SlotFields):
     reasoning_effort: str | None = None
     chat_template_kwargs: Any = None
     response_format: Any = None
+    # llama-server's own constraints on chat: a JSON schema object, or a GBNF grammar.
+    json_schema: Any = None
+    grammar: Any = None
+    # llama-server's stream extras: timings on every chunk, token ids (return_tokens), and
+    # prompt progress; post_sampling_probs reports probabilities instead of logprobs.
+    timings_per_token: bool | None = None
+    return_tokens: bool | None = None
+    return_progress: bool | None = None
+    post_sampling_probs: bool | None = None
     # vLLM's n-gram loop breaker (loop_limit).
     max_pattern_size: int | None = None
     min_pattern_size: int | None = None
@@ -226,9 +236,17 @@ def _template_call(call: Any, at: str) -> Any:
     if isinstance(call, dict) and isinstance(call.get("function"), dict):
         fn = dict(call["function"])
         if isinstance(fn.get("arguments"), str):
-            fn["arguments"] = json_input.loads_or_text(
-                fn["arguments"], where=f"{at}.function.arguments"
-            )
+            where = f"{at}.function.arguments"
+            text = fn["arguments"] if fn["arguments"].strip() else "{}"
+            # A call whose arguments are not JSON cannot be rendered as the call it was (and
+            # llama-server refuses it too): a 400 naming the message, not a silent string.
+            try:
+                json.loads(text)
+            except RecursionError:
+                pass  # loads_or_text reports the depth
+            except ValueError:
+                raise InvalidRequest(f"{where} is not valid JSON", param=where) from None
+            fn["arguments"] = json_input.loads_or_text(text, where=where)
         return {**call, "function": fn}
     return call
 
@@ -255,6 +273,13 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
         rendered["role"] = "system" if role == "developer" else role
         rendered["content"] = _content(msg.get("content"), f"{at}.content") or ""
         out.append(rendered)
+    if len(out) >= 2 and out[-1]["role"] == out[-2]["role"] == "assistant":
+        # One trailing assistant message is a prefill to continue; two are no conversation.
+        at = f"messages[{len(out) - 1}]"
+        raise InvalidRequest(
+            f"{at}: cannot have 2 or more assistant messages at the end of the list",
+            param=at,
+        )
     if not any(str(m["content"]).strip() or m.get("tool_calls") for m in out):
         raise InvalidRequest(
             "Request must include at least one non-empty message content or media input.",
@@ -337,6 +362,7 @@ def chat_request(
     defaults: SamplingParams = PLAIN_SAMPLING,
     vocab_size: int | None = None,
     reasoning_budget: int = -1,
+    tokenizer: Any = None,
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     body = structure(flatten_extra_body(data), ChatCompletionBody)
     _check_openai_extras(body)
@@ -344,7 +370,10 @@ def chat_request(
     max_tokens = _length(body, ("max_completion_tokens", "max_tokens", "n_predict"))
     tools, parse_tools, forced = _tools(body)
     constraint = structured_wire.combine(
-        structured_wire.response_format(body.response_format), forced
+        structured_wire.chat_constraint(
+            structured_wire.response_format(body.response_format), body.json_schema, body.grammar
+        ),
+        forced,
     )
     request = GenerationRequest(
         request_id=new_id("chatcmpl"),
@@ -354,7 +383,7 @@ def chat_request(
         parse_tools=parse_tools,
         single_tool_call=body.parallel_tool_calls is False,
         parallel_tool_calls=body.parallel_tool_calls,
-        sampling=sampling_params(body, defaults, vocab_size),
+        sampling=sampling_params(body, defaults, vocab_size, tokenizer),
         max_tokens=max_tokens,
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),
@@ -459,7 +488,10 @@ def _prompt(value: Any) -> Prompt:
 
 
 def completion_request(
-    data: Any, defaults: SamplingParams = PLAIN_SAMPLING, vocab_size: int | None = None
+    data: Any,
+    defaults: SamplingParams = PLAIN_SAMPLING,
+    vocab_size: int | None = None,
+    tokenizer: Any = None,
 ) -> tuple[CompletionBody, GenerationRequest]:
     body = structure(flatten_extra_body(data), CompletionBody)
     _check_stream_options(body)
@@ -467,7 +499,7 @@ def completion_request(
     request = GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=_prompt(body.prompt),
-        sampling=sampling_params(body, defaults, vocab_size),
+        sampling=sampling_params(body, defaults, vocab_size, tokenizer),
         max_tokens=max_tokens,
         stop=_stop(body.stop),
         ignore_eos=bool(body.ignore_eos),

@@ -110,8 +110,10 @@ NO_BODY = frozenset(
         "responses.cancel",
     }
 )
-# Routes that need no API key (security.PUBLIC_PATHS and this document).
-PUBLIC_ENDPOINTS = frozenset({"health.health", "public_health.health", "openapi.document"})
+# Routes that need no API key (security.PUBLIC_PATHS): health, the model list, this document.
+PUBLIC_ENDPOINTS = frozenset(
+    {"health.health", "public_health.health", "openai.models", "openapi.document"}
+)
 
 _PRIMITIVES: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},

@@ -60,8 +60,11 @@ _SAME = (
 )
 
 
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias} or llama.cpp's [[id, bias | false], ...] (false bans)."""
+def _logit_bias(value: Any, tokenizer: Any = None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} or llama.cpp's [[id, bias | false], ...] (false bans).
+
+    As llama-server, a key that is not a token id is text: the bias goes to every token of
+    its encoding (``[[" the", -100]]``, ``{" the": -100}``)."""
     pairs: list[tuple[Any, Any]]
     keyed = isinstance(value, dict)
     if isinstance(value, dict):
@@ -70,35 +73,42 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         pairs = [(p[0], p[1]) for p in value]
     else:
         raise InvalidRequest("logit_bias must map token ids to biases", param="logit_bias")
-    out = []
+    out: list[tuple[int, float]] = []
     for token, bias in pairs:
         # An integer, or (as an object key, which JSON makes a string) its decimal string;
-        # never a float or a boolean that int() would quietly round or turn into 1. A string
-        # in llama.cpp's list form is text to tokenize there, which this server does not do.
-        if keyed and isinstance(token, str) and token.lstrip("-").isdigit() and len(token) < 20:
-            token_id = int(token)
+        # never a float or a boolean that int() would quietly round or turn into 1.
+        if keyed and isinstance(token, str) and token.lstrip("-").isdigit():
+            if len(token) >= 20:
+                raise InvalidRequest(
+                    f"logit_bias key {token[:40]!r} is not a token id", param="logit_bias"
+                )
+            ids = [int(token)]
         elif isinstance(token, int) and not isinstance(token, bool):
-            token_id = token
+            ids = [token]
+        elif isinstance(token, str) and token and tokenizer is not None:
+            ids = list(tokenizer.encode(token, add_special_tokens=False))
         else:
             raise InvalidRequest(
-                f"logit_bias key {str(token)[:40]!r} is not a token id", param="logit_bias"
+                f"logit_bias key {str(token)[:40]!r} is not a token id or text",
+                param="logit_bias",
             )
         if bias is False:
             bias = -math.inf
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise InvalidRequest(f"logit_bias for {token_id} must be a number", param="logit_bias")
+            raise InvalidRequest(f"logit_bias for {token!r} must be a number", param="logit_bias")
         try:
-            out.append((token_id, float(bias)))
+            out.extend((token_id, float(bias)) for token_id in ids)
         except OverflowError:  # an integer too large for a float
             raise InvalidRequest(
-                f"logit_bias for {token_id} must be a finite number", param="logit_bias"
+                f"logit_bias for {token!r} must be a finite number", param="logit_bias"
             ) from None
     return tuple(out)
 
 
 def sampling_params(
-    body: SamplingFields, defaults: SamplingParams, vocab_size: int | None
+    body: SamplingFields, defaults: SamplingParams, vocab_size: int | None, tokenizer: Any = None
 ) -> SamplingParams:
+    """``tokenizer`` encodes logit_bias keys given as text (without it they are a 400)."""
     values: dict[str, Any] = {f: getattr(body, f) for f in _SAME if getattr(body, f) is not None}
     # Errors name the field as the client spelled it.
     spelled: dict[str, str] = {}
@@ -129,7 +139,7 @@ def sampling_params(
             )
         values["dry_sequence_breakers"] = tuple(breakers)
     if body.logit_bias is not None:
-        values["logit_bias"] = _logit_bias(body.logit_bias)
+        values["logit_bias"] = _logit_bias(body.logit_bias, tokenizer)
     if body.seed is not None:
         if body.seed < -1:
             raise InvalidRequest("seed must be -1 (random) or a non-negative integer", param="seed")

@@ -1,7 +1,8 @@
 """API keys, CORS and the public routes, applied to every request before its handler.
 
 Order matters: a CORS preflight (OPTIONS) is answered before authentication, since browsers
-never send credentials on it; then every route except the public health routes needs a key,
+never send credentials on it; then every route except the public ones (health, the model
+list) needs a key,
 as `Authorization: Bearer <key>` or `X-Api-Key: <key>` (llama-server's lookup: the
 Authorization header, else X-Api-Key, a "Bearer " prefix taken off either, then compared
 exactly). Missing and wrong keys get the same 401, and keys never reach a log line.
@@ -24,8 +25,9 @@ from mlxcel.http.errors import error_response, is_anthropic_path
 from mlxcel.runtime.errors import AuthenticationFailed
 from mlxcel.runtime.settings import Settings
 
-# The OpenAPI document describes routes, never data: public as the health routes.
-PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/openapi.json"})
+# llama-server's public endpoints: health, and the model list (clients probe it before they
+# know they need a key); and the OpenAPI document, which describes routes, never data.
+PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models", "/openapi.json"})
 UNAUTHORIZED = json.dumps(
     {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
 )
@@ -70,7 +72,7 @@ def install(app: Quart, settings: Settings) -> None:
     @app.before_request
     async def _gate() -> Response | None:
         if request.method == "OPTIONS" and request.headers.get("Access-Control-Request-Method"):
-            response = Response("", status=204)
+            response = Response("", status=200)  # llama-server answers a preflight 200
             origin = allowed_origin()
             if origin is not None:
                 cors_headers(response, origin)

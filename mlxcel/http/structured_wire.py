@@ -38,7 +38,10 @@ def response_format(value: Any, *, param: str = "response_format") -> Constraint
     if kind == "text":
         return None
     if kind == "json_object":
-        return JsonObjectFormat()
+        # llama-server's extension: a `schema` beside json_object constrains to that schema.
+        if value.get("schema") is None:
+            return JsonObjectFormat()
+        return _schema_format(value["schema"], f"{param}.schema", param, strict=False)
     if kind != "json_schema":
         raise InvalidRequest(
             f"{param}.type must be 'text', 'json_object' or 'json_schema'", param=param
@@ -53,11 +56,15 @@ def response_format(value: Any, *, param: str = "response_format") -> Constraint
         raise InvalidRequest(f"{param}.json_schema.strict must be a boolean", param=param)
     if schema is None:
         schema = {}  # OpenAI's default: any JSON value
+    return _schema_format(schema, f"{param}.json_schema.schema", param, strict=bool(strict))
+
+
+def _schema_format(schema: Any, where: str, param: str, *, strict: bool) -> JsonSchemaFormat:
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"{param}.json_schema.schema must be an object", param=param)
+        raise InvalidRequest(f"{where} must be an object", param=param)
     schema_json = json.dumps(schema)
     schema_grammar(schema_json, param=param)  # 400 now rather than a failed sequence later
-    return JsonSchemaFormat(schema_json=schema_json, strict=bool(strict))
+    return JsonSchemaFormat(schema_json=schema_json, strict=strict)
 
 
 def tool_choice(
@@ -116,6 +123,16 @@ def thinking_budget(values: dict[str, Any], default: int) -> int | None:
             param=field,
         )
     return None if chosen == -1 else chosen
+
+
+def chat_constraint(fmt: Constraint | None, json_schema: Any, grammar: Any) -> Constraint | None:
+    """Chat's `response_format` beside llama-server's top-level `json_schema` / `grammar`:
+    one of them at most."""
+    native = native_constraint(json_schema, grammar)
+    if native is not None and fmt is not None:
+        which = "grammar" if grammar is not None else "json_schema"
+        raise InvalidRequest(f"{which} cannot be combined with response_format", param=which)
+    return native if native is not None else fmt
 
 
 def native_constraint(json_schema: Any, grammar: Any) -> Constraint | None:

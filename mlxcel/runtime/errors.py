@@ -6,7 +6,8 @@ status code and to the error envelope of the API family that was called, in one 
     MlxcelError                      base; never raised directly
     ├── RequestError                 the request itself is at fault (4xx)
     │   ├── InvalidRequest           400: malformed JSON, wrong type, out-of-range field
-    │   │   └── UnsupportedField     400: a field we cannot honour, named
+    │   │   ├── UnsupportedField     400: a field we cannot honour, named
+    │   │   └── ContextOverflow      400: the prompt fills the context (llama-server's type)
     │   ├── AuthenticationFailed     401
     │   ├── FeatureDisabled          403: a llama-server feature this server never offers
     │   ├── NotFound                 404: unknown model or route object
@@ -50,6 +51,22 @@ class InvalidRequest(RequestError):
 class UnsupportedField(InvalidRequest):
     def __init__(self, field: str, why: str = "is not supported by this server") -> None:
         super().__init__(f"Unsupported field '{field}': {why}", param=field)
+
+
+class ContextOverflow(InvalidRequest):
+    """llama-server's ``exceed_context_size_error``: clients read the two sizes from the
+    error object to trim their history and retry."""
+
+    error_type = "exceed_context_size_error"
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, *, param: str | None = None) -> None:
+        super().__init__(
+            f"request ({n_prompt_tokens} tokens) exceeds the available context size "
+            f"({n_ctx} tokens), try increasing it",
+            param=param,
+        )
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
 
 
 class AuthenticationFailed(RequestError):

@@ -99,6 +99,16 @@ class Metrics:
             "llamacpp:prompt_tokens", "Number of prompt tokens processed.", registry=r
         )
         self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt process time.", registry=r)
+        self.prompt_tokens_cache = Counter(
+            "llamacpp:prompt_tokens_cache",
+            "Number of prompt tokens reused from the prompt cache.",
+            registry=r,
+        )
+        self.prompt_cache_hit_ratio = Gauge(
+            "llamacpp:prompt_cache_hit_ratio",
+            "Share of prompt tokens reused from the prompt cache.",
+            registry=r,
+        )
         self.tokens_predicted = Counter(
             "llamacpp:tokens_predicted", "Number of generation tokens processed.", registry=r
         )
@@ -148,7 +158,18 @@ class Metrics:
         self._steps = 0
         self._busy = 0
         self._prompt = [0, 0.0]
+        self._cached = 0
         self._decode = [0, 0.0]
+
+    def record_cached(self, n: int) -> None:
+        """A request joined the batch with ``n`` prompt tokens taken from the prompt cache."""
+        self._cached += n
+        self.prompt_tokens_cache.inc(n)
+        self._hit_ratio()
+
+    def _hit_ratio(self) -> None:
+        total = self._cached + self._prompt[0]
+        self.prompt_cache_hit_ratio.set(self._cached / total if total else 0.0)
 
     def record_step(self, *, seconds: float, busy: int, prefill: int, decoded: int) -> None:
         """One model step: its wall time goes to prompt processing if it read prompt tokens."""
@@ -164,6 +185,7 @@ class Metrics:
             self._prompt[0] += prefill
             self._prompt[1] += seconds
             self.prompt_tokens_seconds.set(self._prompt[0] / self._prompt[1])
+            self._hit_ratio()
         else:
             self.steps.labels("decode").inc()
             self.tokens_predicted_seconds.inc(seconds)

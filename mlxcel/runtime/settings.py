@@ -22,6 +22,9 @@ def default_cache_dir() -> Path:
 class Settings:
     model: str | None = None
     alias: str | None = None
+    # llama-server serves any `model` name in single-model mode (clients send their own);
+    # strict: a name this server does not serve is a 404 on every route.
+    strict_model_names: bool = False
     host: str = "127.0.0.1"
     port: int = 8080
     # Per-sequence context window; 0 means "what the model was trained for".

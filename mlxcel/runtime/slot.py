@@ -78,6 +78,8 @@ class SlotUpdate:
     tool_events: tuple[object, ...] = ()
     # The choice (OpenAI `index`) this update belongs to.
     index: int = 0
+    # The ids of the tokens generated since the last read (llama-server streams them).
+    token_ids: tuple[int, ...] = ()
 
 
 @attrs.define
@@ -88,6 +90,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
     reasoning: list[str] = attrs.field(factory=list)
     tool_events: list[object] = attrs.field(factory=list)
+    token_ids: list[int] = attrs.field(factory=list)
     pending_tokens: int = 0
     tokens: int = 0
     finish: FinishReason | None = None
@@ -110,7 +113,9 @@ class _Choice:
             "".join(self.reasoning),
             tuple(self.tool_events),
             index,
+            tuple(self.token_ids),
         )
+        self.token_ids.clear()
         self.text.clear()
         self.logprobs.clear()
         self.reasoning.clear()
@@ -193,7 +198,13 @@ class OutputSlot:
         self._placed.set()
 
     def push(
-        self, text: str, n_tokens: int, logprob: TokenLogprob | None = None, *, choice: int = 0
+        self,
+        text: str,
+        n_tokens: int,
+        logprob: TokenLogprob | None = None,
+        *,
+        choice: int = 0,
+        token: int | None = None,
     ) -> None:
         self._placed.set()  # a backend that reports no cache lookup: none was made
         if self.first_token_at is None and n_tokens:
@@ -203,6 +214,8 @@ class OutputSlot:
             c.text.append(text)
         if logprob is not None:
             c.logprobs.append(logprob)
+        if token is not None:
+            c.token_ids.append(token)
         c.pending_tokens += n_tokens
         c.tokens += n_tokens
         self._wake.set()

@@ -108,7 +108,6 @@ def test_token_ids_and_dimensions(side_server: ServerProcess) -> None:
         ({"input": [[30522]]}, "input"),
         ({"input": "a", "dimensions": 385}, "dimensions"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
-        ({"input": "a", "model": "text-embedding-3-small"}, "model"),
     ],
 )
 def test_bad_embedding_requests_are_400_in_the_openai_envelope(
@@ -119,6 +118,45 @@ def test_bad_embedding_requests_are_400_in_the_openai_envelope(
     assert (
         r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "n"),
+    [
+        ([12, 34, "string", 56, 78], 1),
+        (["string1", [12, 34, 56]], 2),
+        ([[12, 34, 56], [12, "string", 34, 56]], 2),
+        ({"prompt_string": "string"}, 1),
+        ({"content": [{"type": "text", "text": "string"}]}, 1),
+        (
+            ["string1", {"prompt_string": "string2"}, {"content": [{"type": "text", "text": "s"}]}],
+            3,
+        ),
+    ],
+)
+def test_llama_server_input_forms(side_server: ServerProcess, value: Any, n: int) -> None:
+    r = httpx.post(f"{side_server.base_url}/v1/embeddings", json={"input": value})
+    assert r.status_code == 200, r.text
+    assert [d["index"] for d in r.json()["data"]] == list(range(n))
+
+
+def test_input_forms_embed_as_their_text(side_server: ServerProcess) -> None:
+    url = f"{side_server.base_url}/v1/embeddings"
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]
+    data = httpx.post(
+        url, json={"input": ["hello world", {"content": parts}, {"prompt_string": "hello world"}]}
+    ).json()["data"]
+    assert data[0]["embedding"] == data[1]["embedding"] == data[2]["embedding"]
+
+
+def test_an_over_long_input_is_too_large(side_server: ServerProcess) -> None:
+    for path in ("/v1/embeddings", "/embedding"):
+        r = httpx.post(f"{side_server.base_url}{path}", json={"input": "This is a test " * 512})
+        assert r.status_code == 400, path
+        assert "too large" in r.json()["error"]["message"], path
+    # At the limit it is served (MiniLM reads 256 tokens, [CLS] and [SEP] included).
+    r = httpx.post(f"{side_server.base_url}/v1/embeddings", json={"input": "test " * 254})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 256
 
 
 def test_chunked_bodies_over_and_under_the_limit(side_server: ServerProcess) -> None:

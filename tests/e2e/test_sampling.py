@@ -121,7 +121,7 @@ def test_repetition_penalty_stops_greedy_repeats(tiny_server: ServerProcess) -> 
         ("dry_penalty_last_n", -5),
         ("dry_sequence_breakers", []),
         ("logit_bias", {"999999999": 1.0}),
-        ("logit_bias", {"abc": 1.0}),
+        ("logit_bias", {"abc": "high"}),
         ("temperature", -0.5),
         ("top_p", 2.0),
         ("seed", -7),

@@ -219,6 +219,7 @@ async def test_error_envelopes_auth_and_overload(smollm_tokenizer: Any) -> None:
         parallel=1,
         max_queue_depth=1,
         step_delay=0.02,
+        strict_model_names=True,
     ) as (client, _, ctx):
         key = {"x-api-key": "secret", "anthropic-version": "2023-06-01"}
         wrong = await client.post("/v1/messages", json=body(), headers={"x-api-key": "nope"})

@@ -157,8 +157,9 @@ async def test_streamed_choices_carry_their_index(smollm_tokenizer: Any) -> None
     for f in frames[:-1]:
         by_index[f["choices"][0]["index"]].append(f["choices"][0])
     for i, parts in by_index.items():
-        assert parts[0]["delta"] == {"role": "assistant", "content": ""}
-        assert "".join(p["delta"].get("content", "") for p in parts) == text(smollm_tokenizer, i, 5)
+        assert parts[0]["delta"] == {"role": "assistant", "content": None}
+        streamed = "".join(p["delta"].get("content") or "" for p in parts)
+        assert streamed == text(smollm_tokenizer, i, 5)
         assert [p["finish_reason"] for p in parts if p["finish_reason"]] == ["length"]
         assert parts[-1]["finish_reason"] == "length"
     assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 10

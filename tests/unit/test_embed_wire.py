@@ -30,6 +30,15 @@ def test_every_input_shape_is_accepted() -> None:
     assert parse_inputs(["a", [5]], INFO) == ("a", (5,))
     # The typed text parts of the contract's multimodal shape.
     assert parse_inputs([{"type": "text", "text": "a"}, "b"], INFO) == ("a", "b")
+    # llama-server's object forms: one input each, alone or in a list.
+    assert parse_inputs({"prompt_string": "a"}, INFO) == ("a",)
+    parts = [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]
+    assert parse_inputs({"content": parts}, INFO) == ("a b",)
+    assert parse_inputs(["x", {"prompt_string": "y"}, {"content": parts}], INFO) == (
+        "x",
+        "y",
+        "a b",
+    )
 
 
 @pytest.mark.parametrize(
@@ -48,6 +57,9 @@ def test_every_input_shape_is_accepted() -> None:
         ([{"type": "image_url", "image_url": {"url": "x"}}], "image input is not supported"),
         ([{"type": "text"}], "{type: text, text}"),
         ([{"type": "text", "text": ""}], "empty string"),
+        ({"content": "a"}, "'input[0].content' must be a list of content parts"),
+        ({"content": [{"type": "input_audio", "input_audio": {}}]}, "{type: text, text}"),
+        ([1] * 9, "too large to process"),
     ],
 )
 def test_bad_inputs_are_400_naming_the_field(value: object, needle: str) -> None:

@@ -150,5 +150,7 @@ async def test_the_document_needs_no_key_when_everything_else_does() -> None:
     doc = await r.get_json()
     assert doc["paths"]["/v1/chat/completions"]["post"]["security"]
     assert "security" not in doc["paths"]["/health"]["get"]
+    assert "security" not in doc["paths"]["/v1/models"]["get"]
+    assert (await client.get("/v1/models")).status_code != 401
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert (await client.get("/v1/cache/stats")).status_code == 401

@@ -174,7 +174,7 @@ async def test_keepalive_comments_flow_during_a_long_prefill(smollm_tokenizer: A
             lines = [line async for line in r.aiter_lines() if line]
     assert ": keepalive" in lines
     data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert data[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert lines[-1] == "data: [DONE]"
 
 
@@ -344,7 +344,7 @@ async def test_reasoning_is_split_the_same_way_streamed_and_not(smollm_tokenizer
     assert whole["content"] == "Hello!"
     deltas = [f["choices"][0]["delta"] for f in frames if f["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
-    assert "".join(d.get("content", "") for d in deltas) == whole["content"]
+    assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
 
 
 async def test_template_kwargs_reach_the_chat_template(smollm_tokenizer: Any) -> None:
