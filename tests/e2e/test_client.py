@@ -241,10 +241,11 @@ def test_managed_tcp_with_api_key_then_close(tiny_model_dir: Path) -> None:
         assert b"LLAMA_API_KEY=sekrit-key\0" in Path(f"/proc/{pid}/environ").read_bytes()
         assert llm.chat(HELLO, max_tokens=3)
         assert llm.detokenize(llm.tokenize("Hi there")) == "Hi there"  # native routes carry it too
-        assert httpx.get(f"{llm.base_url}/models").status_code == 401
+        # (/models is public, as llama-server's: a route that is not.)
+        assert httpx.post(f"{llm.base_url}/chat/completions", json={}).status_code == 401
         stranger = openai.OpenAI(base_url=llm.base_url, api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
-            stranger.models.list()
+            stranger.completions.create(model="default", prompt="Hi", max_tokens=1)
         stranger.close()
     finally:
         llm.close()

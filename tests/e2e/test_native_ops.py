@@ -274,7 +274,7 @@ def _routes() -> list[tuple[str, str]]:
 
 
 # llama-server's public routes: health and the model list.
-PUBLIC = {"/", "/health", "/v1/health", "/models", "/v1/models"}
+PUBLIC = {"/", "/health", "/v1/health", "/models", "/v1/models", "/openapi.json"}
 
 
 def test_every_non_public_route_needs_a_key(ops_server: ServerProcess) -> None:
