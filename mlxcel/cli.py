@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel import cli_compat
+from mlxcel.runtime import allocator
 from mlxcel.runtime.messages import SamplingParams
 from mlxcel.runtime.settings import Settings, default_cache_dir
 
@@ -787,7 +788,11 @@ def _leaf(error: BaseException) -> BaseException:
 
 
 def run_serve(settings: Settings) -> int:
+    # Before any thread starts or any array is allocated (see runtime/allocator.py).
+    tuned = allocator.configure()
     _configure_logging(settings.verbose)
+    if not tuned:
+        log.debug("malloc: glibc defaults (or the environment's MALLOC_* settings)")
     if settings.threads > 0:  # read by OpenBLAS when it loads: importing mlxcel.models does
         os.environ["OPENBLAS_NUM_THREADS"] = str(settings.threads)
     from mlxcel.models.blas import preload_blas

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.actors.model_runner.mlx_backend import MlxBackend
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
-from mlxcel.runtime.messages import InsertSequence, SamplingParams, StepPlan
+from mlxcel.runtime.messages import InsertSequence, SamplingParams, StepOutput, StepPlan
 from mlxcel.runtime.settings import Settings
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -54,8 +54,9 @@ def test_an_entry_taken_from_a_wide_batch_holds_only_its_row() -> None:
     assert held == pytest.approx(cache.stats().nbytes, rel=0.02)
 
 
-def _wave(b: MlxBackend, wave: int) -> None:
-    """Eight requests at once, finishing at different steps (rows leave a wide batch)."""
+def _wave(b: MlxBackend, wave: int) -> StepOutput:
+    """Eight requests at once, finishing at different steps (rows leave a wide batch); the
+    output of the step that finished the last one."""
     starts = [100 + 300 * wave + 37 * i for i in range(8)]
     plan = StepPlan(
         inserts=tuple(
@@ -64,23 +65,25 @@ def _wave(b: MlxBackend, wave: int) -> None:
         )
     )
     done = 0
-    while done < len(starts):
+    while True:
         out = b.apply(plan)
         plan = StepPlan()
         done += sum(1 for t in out.tokens if t.finish_reason)
+        if done == len(starts):
+            return out
 
 
 def test_batched_traffic_leaves_memory_as_counted_and_frees_the_rest_when_idle(
     loaded: Any,
 ) -> None:
     b = MlxBackend(loaded, Settings(parallel=8, cache_ram_mib=64, prefill_chunk_size=16))
-    _wave(b, 0)  # first use: whatever the model and samplers keep once made
-    warm = b.apply(StepPlan())
+    warm = _wave(b, 0)  # first use: whatever the model and samplers keep once made
     assert warm.cache is not None
     before = mx.get_active_memory()
     for wave in (1, 2, 3):
-        _wave(b, wave)
-    out = b.apply(StepPlan())  # the idle step
+        out = _wave(b, wave)
+    # No idle step follows (the scheduler sends none to an empty batch): the step that
+    # finished the last row gave the memory back.
     assert out.cache is not None
     assert out.cache.entries == 32
     # What stayed alive since is the new prompt-cache entries, as counted (it was ~14x more).

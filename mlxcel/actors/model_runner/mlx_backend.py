@@ -172,6 +172,11 @@ class MlxBackend:
         )
         if self._forks:
             self._fork(prompt_responses)
+        if not self._rid_by_uid:
+            # The last row finished in this step, and the scheduler sends no step to an empty
+            # batch: give the memory back now, not when the next request arrives.
+            self._busy = False
+            release_idle_memory()
         return StepOutput(
             tokens=tuple(tokens),
             prefill=prefill,
