@@ -197,9 +197,11 @@ CLAUDE_TOOLS: list[Any] = [
 
 
 def test_anthropic_any_yields_tool_use(claude: anthropic.Anthropic) -> None:
+    # Greedy: sampled, the small model can ramble inside a string argument past max_tokens.
     r = claude.messages.create(
         model="default",
         max_tokens=80,
+        extra_body={"temperature": 0},
         messages=ASK,
         tools=CLAUDE_TOOLS,
         tool_choice={"type": "any"},
@@ -214,6 +216,7 @@ def test_anthropic_streamed_tool_use_and_its_result(claude: anthropic.Anthropic)
     with claude.messages.stream(
         model="default",
         max_tokens=80,
+        extra_body={"temperature": 0},
         messages=ASK,
         tools=CLAUDE_TOOLS,
         tool_choice={"type": "any"},

@@ -17,7 +17,8 @@ speech. ``--abandon`` of them are dropped at a random moment (before the answer,
 prompt pass, mid-stream). Realtime sessions stay open through every wave, each speaking a
 question every few seconds at real-time pace.
 
-After each wave the tool waits for the server to go idle and prints per-route status counts,
+Before the first wave one request of each kind loads what loads on first use. After each wave
+the tool waits for the server to go idle and prints per-route status counts,
 the number of 5xx, 503s without Retry-After, busy slots and queued requests (leaks), the
 server's resident memory, the prompt cache's counted bytes and a sanity answer
 (temperature 0, which must not change between waves).
@@ -206,8 +207,8 @@ class Load:
             tally.failures.append(f"{route} {r.status_code}: {r.text[:200]}")
         tally.add(route, str(r.status_code))
 
-    def pick(self, tally: Tally) -> tuple[str, Callable[[], Awaitable[None]]]:
-        mix: list[tuple[float, str, Callable[[], Awaitable[None]]]] = [
+    def mix(self, tally: Tally) -> list[tuple[float, str, Callable[[], Awaitable[None]]]]:
+        return [
             (4, "chat/stream", lambda: self.chat(tally, True)),
             (2, "chat", lambda: self.chat(tally, False)),
             (1, "completions", lambda: self.completions(tally)),
@@ -222,9 +223,18 @@ class Load:
             (0.3, "transcriptions", lambda: self.transcribe(tally)),
             (0.3, "speech", lambda: self.speech(tally)),
         ]
+
+    def pick(self, tally: Tally) -> tuple[str, Callable[[], Awaitable[None]]]:
+        mix = self.mix(tally)
         weights = [w for w, _, _ in mix]
         _, name, run = self.rng.choices(mix, weights=weights)[0]
         return name, run
+
+    async def each_once(self, tally: Tally) -> None:
+        """One request per kind, in turn: models that load on first use (speech, rerank, ...)
+        are in memory before the first figure, so a wave's growth is not a first load."""
+        for _, name, run in self.mix(tally):
+            await _guarded(run, name, tally)
 
 
 def _stream_ended(route: str, text: str) -> bool:
@@ -405,6 +415,11 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
         trio.open_nursery() as nursery,
     ):
         first = await sanity(http)
+        warm = Tally()
+        wav = _wav(spoken("What is the capital of France?"))
+        await Load(http, random.Random(0), wav).each_once(warm)
+        for failure in warm.failures:
+            missed.append(f"warm-up: {failure}")
         print(f"start: rss {rss_mb(pid):.0f} MB, sanity {first!r}", flush=True)
         for v in voices:
             nursery.start_soon(v.run, base, args.voice_period, stop)
