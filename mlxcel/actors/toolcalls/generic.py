@@ -213,7 +213,8 @@ class GenericParser:
                 parts.append(esc)
                 i += 2
                 continue
-            # \uXXXX, and a surrogate pair only once both halves are here.
+            # A \uXXXX escape is decoded once its four digits have arrived; a high surrogate
+            # waits for its low half, so the pair decodes as one character.
             end = i + 6
             if end > len(buf):
                 break
