@@ -198,6 +198,13 @@ class Scheduler:
         for p in output.prefill:
             prefill += p.done - self._prefilled.get(p.request_id, 0)
             self._prefilled[p.request_id] = p.done
+            if (item := self._state.running.get(p.request_id)) is not None:
+                # The backend counts the tokens it read; the cached ones came first. The
+                # prompt's last token is read with the first generated one, which reports it:
+                # so a prompt of b chunks gets b reports, as llama-server's does.
+                read = item.slot.cached_tokens + p.done
+                if read < item.slot.prompt_tokens - 1:
+                    item.slot.prefilled(read)
         self._metrics.record_step(
             seconds=seconds, busy=busy, prefill=prefill, decoded=len(output.tokens)
         )

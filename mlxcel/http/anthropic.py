@@ -41,6 +41,7 @@ async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, str]:
         ctx.settings.sampling,
         len(ctx.info.tokenizer),
         ctx.settings.reasoning_budget,
+        ctx.info.tokenizer,
     )
     model = ctx.check_model(req.body.model)
     gen = req.generation

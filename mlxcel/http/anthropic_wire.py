@@ -446,8 +446,10 @@ def messages_request(
     defaults: SamplingParams = PLAIN_SAMPLING,
     vocab_size: int | None = None,
     reasoning_budget: int = -1,
+    tokenizer: Any = None,
 ) -> MessagesRequest:
-    """Validate a Messages body (400 naming the field) and convert it for the pipeline."""
+    """Validate a Messages body (400 naming the field) and convert it for the pipeline;
+    ``tokenizer`` encodes logit_bias keys given as text."""
     body = structure(data, MessagesBody)
     messages, prefill = _messages(body.messages, body.system)
     tools = _tools(body.tools)
@@ -474,7 +476,7 @@ def messages_request(
         prompt=ChatPrompt(
             messages=messages, tools=tools, template_kwargs=tuple(sorted(kwargs.items()))
         ),
-        sampling=sampling_params(body, defaults, vocab_size),
+        sampling=sampling_params(body, defaults, vocab_size, tokenizer),
         max_tokens=body.max_tokens,
         stop=_stop_sequences(body.stop_sequences),
         ignore_eos=bool(body.ignore_eos),

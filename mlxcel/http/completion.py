@@ -17,7 +17,7 @@ from quart import Blueprint, Response
 from mlxcel.http import logprobs, sse, structured_wire
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import envelope
-from mlxcel.http.openai import prompt_progress, start_generation, timings
+from mlxcel.http.openai import start_generation, timings
 from mlxcel.http.openai_wire import new_id, token_ids
 from mlxcel.http.ops import NotSupported, request_settings
 from mlxcel.http.prompt_forms import encode_mixed, is_int, is_mixed
@@ -321,7 +321,8 @@ async def _run(body: NativeCompletionBody, prompts: list[Prompt]) -> Response:
     slots: list[OutputSlot] = []
     try:
         for call in calls:
-            slots.append(await start_generation(ctx, call.gen))
+            progress = bool(call.body.stream and call.body.return_progress)
+            slots.append(await start_generation(ctx, call.gen, progress=progress))
     except BaseException:
         for slot in slots:
             slot.cancel()
@@ -388,13 +389,26 @@ def _stream(ctx: ServerContext, runs: list[tuple[_Call, OutputSlot]]) -> Respons
     async def body() -> AsyncIterator[bytes]:
         try:
             for index, (call, slot) in enumerate(runs):
-                progressed = False
                 while True:
                     try:
                         update = await slot.next(timeout=ping)
                     except MlxcelError as error:
                         yield sse.data(envelope(error, "native"))
                         return
+                    for report in slot.take_progress():
+                        # llama-server's progress frame: no text, the report, as it reads.
+                        yield sse.data(
+                            {
+                                "index": index,
+                                "content": "",
+                                "tokens": [],
+                                "stop": False,
+                                "id_slot": slot.id_slot,
+                                "tokens_predicted": slot.completion_tokens,
+                                "tokens_evaluated": slot.prompt_tokens,
+                                "prompt_progress": report,
+                            }
+                        )
                     if update is None:
                         yield sse.KEEPALIVE
                         continue
@@ -408,9 +422,6 @@ def _stream(ctx: ServerContext, runs: list[tuple[_Call, OutputSlot]]) -> Respons
                             "tokens_predicted": slot.completion_tokens,
                             "tokens_evaluated": slot.prompt_tokens,
                         }
-                        if call.body.return_progress and not progressed:
-                            progressed = True
-                            frame["prompt_progress"] = prompt_progress(slot)
                         if call.body.timings_per_token:
                             frame["timings"] = timings(slot)
                         if update.logprobs:

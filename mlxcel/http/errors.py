@@ -45,7 +45,11 @@ def envelope(error: MlxcelError, family: Family = "openai") -> dict[str, object]
         # {"type": "error", "error": {"type", "message"}}: no `param`, so the message names
         # the field, as Anthropic's own messages do ("messages.0.content: ...").
         message = error.message
-        if error.param and error.param not in message:
+        if isinstance(error, ContextOverflow):
+            # Anthropic's own words: clients (Claude Code among them) read "prompt is too
+            # long" as the cue to compact the conversation and retry.
+            message = f"prompt is too long: {error.n_prompt_tokens} tokens > {error.n_ctx} maximum"
+        elif error.param and error.param not in message:
             message = f"{error.param}: {message}"
         kind = ANTHROPIC_TYPES.get(error.status, error.error_type)
         return {"type": "error", "error": {"type": kind, "message": message}}
@@ -60,6 +64,9 @@ def envelope(error: MlxcelError, family: Family = "openai") -> dict[str, object]
         body = {"message": error.message, "type": error.error_type, "param": error.param}
         body["code"] = None
     if isinstance(error, ContextOverflow):
+        if family == "openai":
+            # OpenAI's code for it, which SDK users test; the type stays llama-server's.
+            body["code"] = "context_length_exceeded"
         # llama-server adds the two sizes to the error object (both families).
         body["n_prompt_tokens"] = error.n_prompt_tokens
         body["n_ctx"] = error.n_ctx

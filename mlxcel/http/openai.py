@@ -77,22 +77,15 @@ def timings(slot: OutputSlot) -> dict[str, float]:
     }
 
 
-def prompt_progress(slot: OutputSlot) -> dict[str, float]:
-    """llama-server's `prompt_progress` (return_progress): sent once, when the prompt is read
-    (this server reads a prompt in one go from the client's point of view)."""
-    return {
-        "total": slot.prompt_tokens,
-        "cache": slot.cached_tokens,
-        "processed": slot.prompt_tokens,
-        "time_ms": _ms(slot.started_at, slot.first_token_at),
-    }
-
-
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 
 
-async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> OutputSlot:
-    """Submit (503 when the queue is full), then wait until the prompt is tokenized."""
+async def start_generation(
+    ctx: ServerContext, gen: GenerationRequest, *, progress: bool = False
+) -> OutputSlot:
+    """Submit (503 when the queue is full), then wait until the prompt is tokenized.
+
+    ``progress``: keep llama-server's prompt_progress reports for the stream to send."""
     lane = request.headers.get("X-Priority", "normal").strip().lower()
     if lane not in PRIORITIES:
         raise InvalidRequest("X-Priority must be high, normal or low", param="X-Priority")
@@ -104,6 +97,8 @@ async def start_generation(ctx: ServerContext, gen: GenerationRequest) -> Output
         )
     gen = slot_wire.resolve(gen, parallel=ctx.settings.parallel, n_keep=ctx.settings.n_keep)
     slot = ctx.admission.submit(gen)
+    if progress:
+        slot.track_progress()
     try:
         await slot.wait_accepted()
     except BaseException:
@@ -136,19 +131,17 @@ def _stream(
     options: StreamOptions | None,
     *,
     timed: bool = False,
-    progress: bool = False,
+    progress: dict[str, Any] | None = None,
 ) -> Response:
     """``timed``: llama-server's timings_per_token (every chunk after the first carries the
-    timings so far); ``progress``: its return_progress (the first generated chunk carries
-    `prompt_progress`)."""
+    timings so far); ``progress``: its return_progress, the empty choice that carries each
+    `prompt_progress` report (one as the prompt starts, then one per prefill chunk). The last
+    chunk carries the request's `timings`, as llama-server's does."""
     ping = ctx.ping_interval
-    unsent = [progress]
+    include_usage = options is not None and bool(options.include_usage)
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        if unsent[0] and choices:
-            unsent[0] = False
-            extra["prompt_progress"] = prompt_progress(slot)
-        if timed:
+    def chunk(choices: list[dict[str, Any]], *, last: bool = False, **extra: Any) -> bytes:
+        if timed or last:
             extra["timings"] = timings(slot)
         return sse.data({**base, "choices": choices, **extra})
 
@@ -163,6 +156,9 @@ def _stream(
                 except MlxcelError as error:
                     yield sse.data(envelope(error))
                     return
+                if progress is not None:
+                    for report in slot.take_progress():
+                        yield chunk([progress], prompt_progress=report)
                 if updates is None:
                     yield sse.KEEPALIVE
                     continue
@@ -171,9 +167,11 @@ def _stream(
                     for c in render(update):
                         yield chunk([c])
                     if update.finish_reason is not None:
-                        yield chunk([{**finish(update.finish_reason), "index": update.index}])
-            if options is not None and options.include_usage:
-                yield chunk([], usage=_usage(slot, ctx))
+                        last = slot.delivered and update is updates[-1] and not include_usage
+                        choice = {**finish(update.finish_reason), "index": update.index}
+                        yield chunk([choice], last=last)
+            if include_usage:
+                yield chunk([], last=True, usage=_usage(slot, ctx))
             yield sse.DONE
         finally:
             slot.cancel()
@@ -197,7 +195,7 @@ async def chat_completions() -> Response:
     if body.reasoning_control:
         gen = attrs.evolve(gen, reasoning_control=key_scope(ctx.settings))
     ctx.check_tools(gen)
-    slot = await start_generation(ctx, gen)
+    slot = await start_generation(ctx, gen, progress=bool(body.stream and body.return_progress))
     created = int(time.time())
     base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}
     tok = ctx.info.tokenizer
@@ -236,7 +234,7 @@ async def chat_completions() -> Response:
             first,
             body.stream_options,
             timed=bool(body.timings_per_token),
-            progress=bool(body.return_progress),
+            progress={**first, "index": 0} if body.return_progress else None,
         )
 
     def scores(c: Collected) -> dict[str, Any] | None:
@@ -262,6 +260,7 @@ async def chat_completions() -> Response:
             "system_fingerprint": None,
             "choices": choices,
             "usage": _usage(slot, ctx),
+            "timings": timings(slot),
         }
     )
 
@@ -326,7 +325,7 @@ async def completions() -> Response:
         }
         for i, c in enumerate(await _collect_choices(slot))
     ]
-    return _json({**base, "choices": choices, "usage": _usage(slot, ctx)})
+    return _json({**base, "choices": choices, "usage": _usage(slot, ctx), "timings": timings(slot)})
 
 
 @bp.get("/v1/models")

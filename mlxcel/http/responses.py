@@ -37,7 +37,7 @@ from mlxcel.http.responses_wire import (
     parse_body,
 )
 from mlxcel.runtime import truncation
-from mlxcel.runtime.errors import InvalidRequest, MlxcelError, NotFound
+from mlxcel.runtime.errors import ContextOverflow, InvalidRequest, MlxcelError, NotFound
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot
 
@@ -262,6 +262,7 @@ async def create() -> Response:
             ctx.settings.sampling,
             len(ctx.info.tokenizer),
             ctx.settings.reasoning_budget,
+            ctx.info.tokenizer,
         )
 
     gen = build([*history, *items])
@@ -270,7 +271,11 @@ async def create() -> Response:
     ctx.check_tools(gen)
     stored = body.store is not False and store.enabled("responses")
     base = _echo(ctx, body, rid, model, conv, stored)
-    slot = await start_generation(ctx, gen)
+    try:
+        slot = await start_generation(ctx, gen)
+    except ContextOverflow as overflow:
+        overflow.param = "input"  # Responses has no `messages`
+        raise
     turn = _Turn(ctx, body, gen, slot, base, items, history, conv)
     store.running[rid] = turn.running
     if body.stream:
@@ -470,6 +475,12 @@ async def input_tokens() -> Response:
     ctx.check_model(body.model)
     history, _ = await load_history(store_of(ctx), body)
     items = input_items(body.input) if body.input is not None else []
-    gen = generation_request(body, new_id("resp"), [*history, *items], ctx.settings.sampling)
+    gen = generation_request(
+        body,
+        new_id("resp"),
+        [*history, *items],
+        ctx.settings.sampling,
+        tokenizer=ctx.info.tokenizer,
+    )
     n = len(await trio.to_thread.run_sync(ctx.tokenizer.encode, gen))
     return _json({"object": "response.input_tokens", "input_tokens": n})

@@ -414,8 +414,10 @@ def generation_request(
     defaults: SamplingParams = PLAIN_SAMPLING,
     vocab_size: int | None = None,
     reasoning_budget: int = -1,
+    tokenizer: Any = None,
 ) -> GenerationRequest:
-    """The internal request for ``history`` (earlier turns plus this input, as items)."""
+    """The internal request for ``history`` (earlier turns plus this input, as items);
+    ``tokenizer`` encodes logit_bias keys given as text."""
     messages = chat_messages(history)
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
@@ -439,7 +441,7 @@ def generation_request(
     return GenerationRequest(
         request_id=request_id,
         prompt=ChatPrompt(messages=tuple(messages), tools=tools, template_kwargs=kwargs),
-        sampling=sampling_params(body, defaults, vocab_size),
+        sampling=sampling_params(body, defaults, vocab_size, tokenizer),
         max_tokens=body.max_output_tokens,
         cache_key=None if body.cache_prompt is False else body.prompt_cache_key or body.user or "",
         logprobs=(body.top_logprobs or 0) if wants_logprobs else None,

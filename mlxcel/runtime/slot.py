@@ -164,6 +164,10 @@ class OutputSlot:
         self.context_shifted = False
         # The slot (/slots position) it runs in; -1 until it starts.
         self.id_slot = -1
+        # return_progress: prompt tokens read (cached ones included) and when, one entry per
+        # prefill chunk, kept only for a reader that asked and until it takes them.
+        self._progress: list[tuple[int, float]] | None = None
+        self._progress_mark = -1
 
     @property
     def n(self) -> int:
@@ -196,6 +200,15 @@ class OutputSlot:
         """The request joined the batch, with this many prompt tokens from the prompt cache."""
         self.cached_tokens = cached_tokens
         self._placed.set()
+        # llama-server's first report: processing started, the cached part already read.
+        self.prefilled(cached_tokens)
+
+    def prefilled(self, processed: int) -> None:
+        """The prompt has been read up to ``processed`` tokens (a prefill chunk ended)."""
+        if self._progress is not None and processed > self._progress_mark:
+            self._progress_mark = processed
+            self._progress.append((processed, time.monotonic()))
+            self._wake.set()
 
     def push(
         self,
@@ -209,6 +222,8 @@ class OutputSlot:
         self._placed.set()  # a backend that reports no cache lookup: none was made
         if self.first_token_at is None and n_tokens:
             self.first_token_at = time.monotonic()
+            # The prompt's last token is read with the first generated one.
+            self.prefilled(self.prompt_tokens)
         c = self._choices[choice]
         if text:
             c.text.append(text)
@@ -273,6 +288,30 @@ class OutputSlot:
         return self._finished or self._error is not None or self.cancelled
 
     # --- consumer side ----------------------------------------------------------------------
+
+    def track_progress(self) -> None:
+        """Keep a report per prefill chunk for ``take_progress`` (llama-server's
+        return_progress); call before the request can start, right after submitting it."""
+        if self._progress is None:
+            self._progress = []
+
+    def take_progress(self) -> list[dict[str, float]]:
+        """llama-server's `prompt_progress` objects reported since the last call, oldest first:
+        ``total``, ``cache``, ``processed`` and ``time_ms`` since the request started."""
+        if not self._progress:
+            return []
+        start = self.started_at if self.started_at is not None else self.submitted_at
+        out = [
+            {
+                "total": self.prompt_tokens,
+                "cache": self.cached_tokens,
+                "processed": min(done, self.prompt_tokens),
+                "time_ms": max(at - start, 0.0) * 1000.0,
+            }
+            for done, at in self._progress
+        ]
+        self._progress.clear()
+        return out
 
     async def wait_accepted(self) -> int:
         """Wait until the prompt is tokenized; raise the request's error if it failed first.

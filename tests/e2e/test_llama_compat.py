@@ -19,6 +19,7 @@ from tests.conftest import ServerProcess
 
 CTX = 256
 N_PREDICT = 64
+CHUNK = 32
 USER = [{"role": "user", "content": "Write an example"}]
 
 
@@ -34,6 +35,9 @@ def preset(tiny_model_dir: Path) -> Iterator[ServerProcess]:
             "2",
             "-n",
             str(N_PREDICT),
+            # llama-server's prompt chunk: return_progress reports one per chunk.
+            "-b",
+            str(CHUNK),
             "--metrics",
             "--no-audio",
             "--no-warmup",
@@ -127,6 +131,29 @@ def test_context_overflow_is_llama_servers_error(
     assert error["type"] == "exceed_context_size_error"
     assert error["n_ctx"] == CTX and error["n_prompt_tokens"] > CTX
     assert "exceeds the available context size" in error["message"]
+    # OpenAI's code on the OpenAI routes; llama-server's numeric one on its own.
+    assert error["code"] == (400 if path == "/completion" else "context_length_exceeded")
+
+
+def test_context_overflow_in_responses_and_anthropic(preset: ServerProcess) -> None:
+    """Each family says it in its own terms: Responses names `input` (OpenAI's SDK raises
+    BadRequestError with code context_length_exceeded); Anthropic says "prompt is too long",
+    the words its clients read as the cue to compact the conversation."""
+    openai_client = openai.OpenAI(base_url=preset.base_url + "/v1", api_key="x", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            openai_client.responses.create(model="m", input=LONG, stream=stream)
+        assert caught.value.code == "context_length_exceeded"
+        assert caught.value.param == "input"
+        assert isinstance(caught.value.body, dict) and caught.value.body["n_ctx"] == CTX
+    claude = anthropic.Anthropic(base_url=preset.base_url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        claude.messages.create(
+            model="m", max_tokens=4, messages=[{"role": "user", "content": LONG}]
+        )
+    assert refused.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    message = refused.value.body["error"]["message"]  # type: ignore[index]
+    assert re.fullmatch(rf"prompt is too long: \d+ tokens > {CTX} maximum", message)
 
 
 # -- 3, 7. constraints on chat ----------------------------------------------------------------
@@ -195,7 +222,8 @@ def test_chat_timings_progress_and_probabilities(preset: ServerProcess) -> None:
     assert "timings" not in out[0]
     assert all("prompt_per_second" in f["timings"] for f in out[1:])
     assert out[-1]["timings"]["predicted_n"] <= 4
-    assert out[1]["prompt_progress"]["total"] == out[-1]["usage"]["prompt_tokens"]
+    reports = [f["prompt_progress"] for f in out if "prompt_progress" in f]
+    assert reports[-1]["total"] == reports[-1]["processed"] == out[-1]["usage"]["prompt_tokens"]
     scored = [
         e
         for f in out
@@ -259,9 +287,61 @@ def test_completion_tokens_streamed_and_returned(preset: ServerProcess) -> None:
     assert len(final["tokens"]) == 6 and all(isinstance(t, int) for t in final["tokens"])
     assert post(preset, "/completion", body).json()["tokens"] == []
     out = frames(preset, "/completion", {**body, "stream": True, "return_progress": True})
-    streamed = [t for f in out[:-1] for t in f["tokens"]]
-    assert streamed == final["tokens"] and all(f["tokens"] for f in out[:-1])
-    assert out[0]["prompt_progress"]["total"] == final["tokens_evaluated"]
+    progress = [f for f in out if "prompt_progress" in f]
+    text = [f for f in out[:-1] if "prompt_progress" not in f]
+    streamed = [t for f in text for t in f["tokens"]]
+    assert streamed == final["tokens"] and all(f["tokens"] for f in text)
+    assert progress[0]["prompt_progress"]["total"] == final["tokens_evaluated"]
+    assert all(f["content"] == "" and f["tokens"] == [] for f in progress)
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["cold", "cached"])
+def test_prompt_progress_per_chunk(preset: ServerProcess, reuse: bool) -> None:
+    """return_progress: a report as the prompt starts (what the cache gave), one per prefill
+    chunk (-b), the last when the whole prompt is read; never after the first token."""
+    body = {
+        "messages": [{"role": "user", "content": f"This is test {reuse} " * 20}],
+        "max_tokens": 3,
+        "stream": True,
+        "return_progress": True,
+        "cache_prompt": reuse,
+    }
+    if reuse:
+        frames(preset, "/v1/chat/completions", body)
+    out = frames(preset, "/v1/chat/completions", body)
+    at = [i for i, f in enumerate(out) if "prompt_progress" in f]
+    reports = [out[i]["prompt_progress"] for i in at]
+    first_text = next(
+        i for i, f in enumerate(out) if f["choices"] and f["choices"][0]["delta"].get("content")
+    )
+    assert at[-1] < first_text
+    total, cache = reports[0]["total"], reports[0]["cache"]
+    assert reports[0]["processed"] == cache and (cache > 0) == reuse
+    assert all(r["total"] == total and r["cache"] == cache for r in reports)
+    done = [r["processed"] for r in reports]
+    assert done == sorted(set(done)) and done[-1] == total
+    assert len(reports) == 1 + -(-(total - cache) // CHUNK)
+    assert all(out[i]["choices"][0]["delta"] == {"role": "assistant", "content": None} for i in at)
+    assert "timings" in out[-1] and out[-1]["timings"]["prompt_n"] == total - cache
+
+
+def test_final_answers_carry_timings(preset: ServerProcess) -> None:
+    """llama-server puts `timings` on every OpenAI-style final answer, streamed or not."""
+    chat = {"messages": USER, "max_tokens": 3}
+    text = {"prompt": "Once upon", "max_tokens": 3}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", text)):
+        whole = post(preset, path, body).json()
+        assert whole["timings"]["predicted_n"] == whole["usage"]["completion_tokens"]
+        out = frames(preset, path, {**body, "stream": True})
+        assert [("timings" in f) for f in out] == [False] * (len(out) - 1) + [True]
+        usage = frames(
+            preset, path, {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        assert (
+            "usage" in usage[-1]
+            and usage[-1]["timings"]["predicted_n"] == usage[-1]["usage"]["completion_tokens"]
+        )
+        assert all("timings" not in f for f in usage[:-1])
 
 
 def test_completion_post_sampling_probs(preset: ServerProcess) -> None:
@@ -304,6 +384,36 @@ def test_logit_bias_keys_may_be_text(preset: ServerProcess) -> None:
         {"messages": USER, "max_tokens": 1, "logit_bias": {" the": -100}},
     )
     assert chat.status_code == 200
+
+
+@pytest.mark.parametrize("family", ["chat", "responses", "anthropic"])
+def test_text_logit_bias_in_every_chat_family(preset: ServerProcess, family: str) -> None:
+    """A text key bans every token of its encoding, on each chat route (as on /completion)."""
+
+    def first_word(bias: dict[str, float] | None) -> str:
+        extra = {} if bias is None else {"logit_bias": bias}
+        if family == "chat":
+            body = {"messages": USER, "max_tokens": 2, "temperature": 0, **extra}
+            r = post(preset, "/v1/chat/completions", body)
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["message"]["content"])
+        if family == "responses":
+            body = {"input": USER[0]["content"], "max_output_tokens": 2, "temperature": 0}
+            r = post(preset, "/v1/responses", {**body, **extra})
+            assert r.status_code == 200, r.text
+            return str(r.json()["output"][-1]["content"][0]["text"])
+        body = {"messages": USER, "max_tokens": 2, "temperature": 0, **extra}
+        r = post(preset, "/v1/messages", body)
+        assert r.status_code == 200, r.text
+        return str(r.json()["content"][0]["text"])
+
+    plain = first_word(None)
+    assert plain.strip()
+    word = plain.split()[0]
+    banned = first_word({word: -100, " " + word: -100})
+    assert not banned.strip().startswith(word)
+    bad = post(preset, "/v1/messages", {"messages": USER, "max_tokens": 2, "logit_bias": {"": 1}})
+    assert bad.status_code == 400 and "logit_bias" in bad.text
 
 
 # -- 8. history validation --------------------------------------------------------------------
