@@ -263,6 +263,15 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "on instead of stopping (env: LLAMA_ARG_CONTEXT_SHIFT)",
     )
     p.add_argument(
+        "--batch-invariant",
+        dest="batch_invariant",
+        action="store_true",
+        default=_env_bool("MLXCEL_BATCH_INVARIANT", False),
+        help="a seeded request gives the same tokens whatever runs beside it: each decode row "
+        "attends to its own keys, prompts are read one at a time and seeded prompts skip the "
+        "prompt cache (costs speed; env: MLXCEL_BATCH_INVARIANT)",
+    )
+    p.add_argument(
         "--no-context-shift",
         dest="context_shift",
         action="store_false",
@@ -743,6 +752,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         slots_endpoint=args.slots,
         slot_save_path=slot_save_path(args.slot_save_path),
         context_shift=args.context_shift,
+        batch_invariant=args.batch_invariant,
         n_keep=args.keep,
         props_endpoint=args.props,
         embedding_model=args.embedding_model,

@@ -27,12 +27,57 @@ __all__ = ["enabled", "install"]
 SMALL_SCORES = 2048
 
 
+# --batch-invariant (``set_batch_invariant``): see ``_per_row``.
+_batch_invariant = False
+
+
 def enabled() -> bool:
     return os.environ.get("MLXCEL_FAST_MATH", "1") != "0" and mx.default_device() == mx.cpu
 
 
-def _lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def scaled_dot_product_attention(
+def set_batch_invariant(on: bool) -> None:
+    """Decode attention one row at a time over that row's own keys (``--batch-invariant``);
+    call before ``install``."""
+    global _batch_invariant
+    _batch_invariant = on
+
+
+def _per_row(
+    attend: Callable[..., mx.array],
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: Any,
+    scale: float,
+    sinks: Any,
+) -> mx.array:
+    """Each decode row attends to its own keys, without the batch's left padding.
+
+    With padding, a row's scores are columns of a wider product and its softmax sum and
+    weighted sum run over a longer, zero-led vector: the BLAS and mlx's reductions group
+    those sums by position, so the row's result moves in its last bits with the padding that
+    other rows' lengths give it. Sliced to its own keys, a row is computed exactly as it would
+    be alone (the same shapes, the same kernels), whatever runs beside it. One attention per
+    row costs ~8 more small ops per row and layer.
+    """
+    pads = cache.left_padding.tolist()
+    rows = [
+        attend(
+            queries[i : i + 1],
+            keys[i : i + 1, :, p:],
+            values[i : i + 1, :, p:],
+            cache,
+            scale=scale,
+            mask=None,  # one query after every key it has: nothing to hide
+            sinks=sinks,
+        )
+        for i, p in enumerate(pads)
+    ]
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
+
+
+def _lm_attention(original: Callable[..., mx.array], fast: bool) -> Callable[..., mx.array]:
+    def attend(
         queries: mx.array,
         keys: Any,
         values: Any,
@@ -43,13 +88,29 @@ def _lm_attention(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     ) -> mx.array:
         b, h, n, _ = queries.shape
         if (
-            sinks is not None
+            not fast
+            or sinks is not None
             or hasattr(cache, "bits")
             or queries.dtype != mx.float32
             or b * h * n * keys.shape[-2] < SMALL_SCORES
         ):
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return fast_math.attention(queries, keys, values, scale=scale, mask=mask)
+
+    def scaled_dot_product_attention(
+        queries: mx.array,
+        keys: Any,
+        values: Any,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: Any = None,
+    ) -> mx.array:
+        # Decode steps of a padded batch cache (mlx-lm's BatchKVCache; not its rotating or
+        # quantised ones, whose slices would not be a row's own keys).
+        if _batch_invariant and queries.shape[2] == 1 and type(cache).__name__ == "BatchKVCache":
+            return _per_row(attend, queries, keys, values, cache, scale, sinks)
+        return attend(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps
     return scaled_dot_product_attention
@@ -71,14 +132,19 @@ def install(model: Any) -> list[str]:
     Touches only modules under ``mlx_lm.models`` that the model's classes come from, and only
     names that still hold mlx-lm's own functions, so installing twice is harmless.
     """
-    if not enabled():
+    fast = enabled()
+    if not fast and not _batch_invariant:
         return []
     from mlx_lm.models import activations, base
 
-    wraps = {
-        "scaled_dot_product_attention": (base.scaled_dot_product_attention, _lm_attention),
-        "swiglu": (activations.swiglu, _lm_swiglu),
+    wraps: dict[str, tuple[Any, Callable[[Any], Any]]] = {
+        "scaled_dot_product_attention": (
+            base.scaled_dot_product_attention,
+            lambda original: _lm_attention(original, fast),
+        ),
     }
+    if fast:
+        wraps["swiglu"] = (activations.swiglu, _lm_swiglu)
     names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
     swapped = []
     for name in sorted(names):

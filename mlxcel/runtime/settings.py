@@ -89,6 +89,9 @@ class Settings:
     # llama-server's --context-shift (off by default, as there): a sequence that fills its
     # context drops its oldest tokens after n_keep and goes on instead of stopping.
     context_shift: bool = False
+    # --batch-invariant: a seeded request's tokens do not depend on what runs beside it
+    # (decode attention per row, prompts read one at a time, seeded prompts not from cache).
+    batch_invariant: bool = False
     # --keep: prompt tokens a shift always keeps (-1: the whole prompt); requests' n_keep.
     n_keep: int = 0
     props_endpoint: bool = False

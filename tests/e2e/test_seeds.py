@@ -29,9 +29,18 @@ def client() -> Iterator[openai.OpenAI]:
     server.stop()
 
 
-def ask(client: openai.OpenAI, seed: int | None, prompt: str, delay: float = 0.0) -> str:
-    time.sleep(delay)
+def ask(
+    client: openai.OpenAI,
+    seed: int | None,
+    prompt: str,
+    delay: float = 0.0,
+    *,
+    top_k: int | None = None,
+) -> str:
+    time.sleep(delay)  # a client arriving later, not synchronisation
     kw: dict[str, Any] = {} if seed is None else {"seed": seed}
+    if top_k is not None:
+        kw["extra_body"] = {"top_k": top_k}
     r = client.chat.completions.create(
         model="default",
         messages=[{"role": "user", "content": prompt}],
@@ -42,11 +51,15 @@ def ask(client: openai.OpenAI, seed: int | None, prompt: str, delay: float = 0.0
     return r.choices[0].message.content or ""
 
 
-def together(client: openai.OpenAI, specs: list[tuple[int | None, str, float]]) -> list[str]:
+def together(
+    client: openai.OpenAI,
+    specs: list[tuple[int | None, str, float]],
+    top_k: int | None = None,
+) -> list[str]:
     out = [""] * len(specs)
 
     def run(i: int) -> None:
-        out[i] = ask(client, *specs[i])
+        out[i] = ask(client, *specs[i], top_k=top_k)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
     for t in threads:
@@ -77,3 +90,35 @@ def test_a_seed_gives_its_solo_text_whatever_runs_beside_it(client: openai.OpenA
     for (seed, _, _), text in zip(specs, answers, strict=True):
         if seed is not None:
             assert text == solo[seed], seed
+
+
+PROMPTS = (
+    "What is your favourite food?",
+    "Tell me about a dragon.",
+    "Why is the sky blue?",
+    "Name three rivers.",
+)
+
+
+def test_batch_invariant_mode_gives_the_solo_text_over_the_whole_vocabulary() -> None:
+    """--batch-invariant: with nothing cut from the distribution (top_k 0), where a near-tie in
+    the far tail follows the last bits of the logits, each seeded answer is still its solo
+    answer, with neighbours joining mid-way and the same prompt already in the prompt cache."""
+    server = ServerProcess(["--parallel", "8", "--batch-invariant"])
+    try:
+        with openai.OpenAI(
+            base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300
+        ) as client:
+            seeds = [(1300 + i, PROMPTS[i % len(PROMPTS)]) for i in range(6)]
+            solo = {seed: ask(client, seed, prompt, top_k=0) for seed, prompt in seeds}
+            assert len(set(solo.values())) > 1
+            specs: list[tuple[int | None, str, float]] = []
+            for i, (seed, prompt) in enumerate(seeds):
+                specs.append((seed, prompt, 0.3 * i))
+                specs.append((None, PROMPTS[(i + 1) % len(PROMPTS)], 0.3 * i + 0.15))
+            answers = together(client, specs, top_k=0)
+            for (seed, _, _), text in zip(specs, answers, strict=True):
+                if seed is not None:
+                    assert text == solo[seed], seed
+    finally:
+        server.stop()

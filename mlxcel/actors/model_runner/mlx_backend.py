@@ -16,7 +16,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
-from mlxcel.actors.model_runner import batch_cache, sampler_chain
+from mlxcel.actors.model_runner import batch_cache, invariance, sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
 from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
@@ -25,6 +25,7 @@ from mlxcel.actors.model_runner.memory import release_idle_memory
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.reasoning import detect_reasoning
+from mlxcel.models import fast_lm
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -67,6 +68,16 @@ class MlxBackend:
             meta=model_meta(loaded),
         )
         batch_cache.install()
+        if settings.batch_invariant:
+            problem = invariance.prepare(loaded.model, settings.parallel)
+            if problem is not None:
+                raise RuntimeError(f"--batch-invariant: {problem}")
+        # Process-wide (mlx-lm's attention function is a module name): set by every backend,
+        # so the one built last (the only one, when serving) decides.
+        fast_lm.set_batch_invariant(settings.batch_invariant)
+        if settings.batch_invariant:
+            fast_lm.install(loaded.model)  # on a GPU, fast_lm installed nothing at load
+        self._invariant = settings.batch_invariant
         # Rows reading a prompt for a request with more choices to fork once it is read.
         self._forks: dict[int, InsertSequence] = {}
         self._gen = EagerStartBatchGenerator(
@@ -77,8 +88,9 @@ class MlxBackend:
             stop_tokens=[[t] for t in sorted(loaded.eos_token_ids)],
             completion_batch_size=settings.parallel,
             # Prompts are read in waves of at most 8 (mlx_lm.server's default): a wave of 16
-            # would hold every first token until the whole wave is read.
-            prefill_batch_size=min(settings.parallel, 8),
+            # would hold every first token until the whole wave is read. Batch-invariant: one
+            # at a time, so no prompt is padded to another's length.
+            prefill_batch_size=1 if settings.batch_invariant else min(settings.parallel, 8),
             prefill_step_size=settings.prefill_chunk_size,
         )
         self._vocab_size = int(loaded.vocab_size)
@@ -305,7 +317,11 @@ class MlxBackend:
             prompt = list(s.prompt_tokens)
             cache, n = None, 0
             if self._cache is not None and s.cache_key is not None:
-                cache, n = self._cache.lookup(s.cache_key, prompt)
+                # Batch-invariant: a seeded prompt is read whole, in the chunks a lone request
+                # reads it in (a cached prefix was computed in other chunks, or token by
+                # token, and so differs from them in its last bits).
+                if not (self._invariant and s.sampling.seed is not None):
+                    cache, n = self._cache.lookup(s.cache_key, prompt)
                 self._cache_key[s.request_id] = s.cache_key
             cached.append((s.request_id, n))
             # With more than the last token left to read, choice 0 reads it alone and the
