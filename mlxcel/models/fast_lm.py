@@ -4,8 +4,9 @@ On the CPU, ``mx.fast.scaled_dot_product_attention`` is not a fused kernel: it m
 takes a softmax with mlx's scalar ``exp`` (~18 ns per element here) and multiplies again, and
 the softmax dominates once the context grows (a 1,000-token prompt: ~70 % of the attention
 time). mlx-lm's ``swiglu`` uses the scalar ``sigmoid``. ``install`` swaps both names in the
-modules the loaded model uses for versions built on ``fast_math``; they fall back to mlx-lm's
-own functions for what they do not cover (a quantised KV cache, attention sinks, a GPU).
+modules the loaded model uses for versions built on ``fast_math`` (through
+``mlx_lm_compat.swap_model_functions``, with every other reach into mlx-lm); they fall back to
+mlx-lm's own functions for what they do not cover (a quantised KV cache, attention sinks, a GPU).
 
 ``MLXCEL_FAST_MATH=0`` turns it all off (for comparisons).
 """
@@ -13,7 +14,6 @@ own functions for what they do not cover (a quantised KV cache, attention sinks,
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -73,20 +73,8 @@ def install(model: Any) -> list[str]:
     """
     if not enabled():
         return []
-    from mlx_lm.models import activations, base
+    from mlxcel.models import mlx_lm_compat
 
-    wraps = {
-        "scaled_dot_product_attention": (base.scaled_dot_product_attention, _lm_attention),
-        "swiglu": (activations.swiglu, _lm_swiglu),
-    }
-    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
-    swapped = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is None or not name.startswith("mlx_lm.models."):
-            continue
-        for attr, (original, wrap) in wraps.items():
-            if getattr(module, attr, None) is original:
-                setattr(module, attr, wrap(original))
-                swapped.append(f"{name}.{attr}")
-    return swapped
+    return mlx_lm_compat.swap_model_functions(
+        model, {"scaled_dot_product_attention": _lm_attention, "swiglu": _lm_swiglu}
+    )
