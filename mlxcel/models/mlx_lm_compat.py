@@ -159,8 +159,8 @@ def check_generator(gen: Any) -> None:
     global _checked_generator
     if _checked_generator:
         return
-    batch = generation_batch(gen)
-    missing = [a for a in _GENERATOR_ATTRS if not hasattr(gen, a)]
+    missing = [f"BatchGenerator.{a}" for a in _GENERATOR_ATTRS if not hasattr(gen, a)]
+    batch = getattr(gen, "_generation_batch", None)
     missing += [f"GenerationBatch.{a}" for a in _BATCH_ATTRS if not hasattr(batch, a)]
     if missing:
         raise IncompatibleMlxLm(f"mlx-lm {installed_version()} lacks {', '.join(missing)}")

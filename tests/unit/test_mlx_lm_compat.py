@@ -81,6 +81,20 @@ def test_install_twice_is_harmless(monkeypatch: pytest.MonkeyPatch) -> None:
     assert original.__module__ == "mlx_lm.models.cache"
 
 
+def test_a_generator_without_the_internals_we_use_fails_at_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(mlx_lm_compat, "_checked_generator", False)
+
+    class Renamed:  # as if mlx-lm had renamed its queues
+        _generation_batch = GenerationBatch.empty(None, None)
+        _prompt_batch = _currently_processing = None
+
+    with pytest.raises(IncompatibleMlxLm, match="_unprocessed_sequences, .*_find_uids"):
+        mlx_lm_compat.check_generator(Renamed())
+    assert mlx_lm_compat._checked_generator is False
+
+
 class _Module:
     """Just enough of a model for swap_model_functions: its classes' module."""
 
