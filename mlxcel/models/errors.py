@@ -3,6 +3,7 @@
     ModelError
      +-- ModelNotFound      the spec names nothing we can find (or download)
      +-- UnsupportedModel   we found it but cannot convert or load it
+     +-- IncompatibleMlxLm  the installed mlx-lm is outside the tested versions
 
 They carry a message meant for a person, so the CLI prints ``str(exc)``
 without a traceback. ``runtime/errors.py`` may wrap them; they live here so
@@ -22,3 +23,7 @@ class ModelNotFound(ModelError):
 
 class UnsupportedModel(ModelError):
     """The model exists but uses a format or architecture we do not handle."""
+
+
+class IncompatibleMlxLm(ModelError):
+    """The installed mlx-lm is outside the versions whose internals we rely on and test."""

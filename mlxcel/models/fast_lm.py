@@ -4,8 +4,9 @@ On the CPU, ``mx.fast.scaled_dot_product_attention`` is not a fused kernel: it m
 takes a softmax with mlx's scalar ``exp`` (~18 ns per element here) and multiplies again, and
 the softmax dominates once the context grows (a 1,000-token prompt: ~70 % of the attention
 time). mlx-lm's ``swiglu`` uses the scalar ``sigmoid``. ``install`` swaps both names in the
-modules the loaded model uses for versions built on ``fast_math``; they fall back to mlx-lm's
-own functions for what they do not cover (a quantised KV cache, attention sinks, a GPU).
+modules the loaded model uses for versions built on ``fast_math`` (through
+``mlx_lm_compat.swap_model_functions``, with every other reach into mlx-lm); they fall back to
+mlx-lm's own functions for what they do not cover (a quantised KV cache, attention sinks, a GPU).
 
 ``MLXCEL_FAST_MATH=0`` turns it all off (for comparisons).
 """
@@ -13,11 +14,10 @@ own functions for what they do not cover (a quantised KV cache, attention sinks,
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from mlxcel.models import fast_math
+from mlxcel.models import fast_math, mlx_lm_compat
 from mlxcel.models.mlx_setup import mx
 
 __all__ = ["enabled", "install"]
@@ -43,6 +43,7 @@ def set_batch_invariant(on: bool) -> None:
 
 
 def _per_row(
+    pads: list[int],
     attend: Callable[..., mx.array],
     queries: mx.array,
     keys: mx.array,
@@ -60,7 +61,6 @@ def _per_row(
     be alone (the same shapes, the same kernels), whatever runs beside it. One attention per
     row costs ~8 more small ops per row and layer.
     """
-    pads = cache.left_padding.tolist()
     rows = [
         attend(
             queries[i : i + 1],
@@ -76,7 +76,7 @@ def _per_row(
     return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
 
 
-def _lm_attention(original: Callable[..., mx.array], fast: bool) -> Callable[..., mx.array]:
+def _lm_attention(original: Callable[..., mx.array], fast: bool = True) -> Callable[..., mx.array]:
     def attend(
         queries: mx.array,
         keys: Any,
@@ -106,10 +106,11 @@ def _lm_attention(original: Callable[..., mx.array], fast: bool) -> Callable[...
         mask: Any,
         sinks: Any = None,
     ) -> mx.array:
-        # Decode steps of a padded batch cache (mlx-lm's BatchKVCache; not its rotating or
-        # quantised ones, whose slices would not be a row's own keys).
-        if _batch_invariant and queries.shape[2] == 1 and type(cache).__name__ == "BatchKVCache":
-            return _per_row(attend, queries, keys, values, cache, scale, sinks)
+        # Decode steps of a padded batch cache.
+        if _batch_invariant and queries.shape[2] == 1:
+            pads = mlx_lm_compat.batch_left_padding(cache)
+            if pads is not None:
+                return _per_row(pads, attend, queries, keys, values, cache, scale, sinks)
         return attend(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps
@@ -135,24 +136,9 @@ def install(model: Any) -> list[str]:
     fast = enabled()
     if not fast and not _batch_invariant:
         return []
-    from mlx_lm.models import activations, base
-
-    wraps: dict[str, tuple[Any, Callable[[Any], Any]]] = {
-        "scaled_dot_product_attention": (
-            base.scaled_dot_product_attention,
-            lambda original: _lm_attention(original, fast),
-        ),
+    wraps: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+        "scaled_dot_product_attention": lambda original: _lm_attention(original, fast)
     }
     if fast:
-        wraps["swiglu"] = (activations.swiglu, _lm_swiglu)
-    names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
-    swapped = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is None or not name.startswith("mlx_lm.models."):
-            continue
-        for attr, (original, wrap) in wraps.items():
-            if getattr(module, attr, None) is original:
-                setattr(module, attr, wrap(original))
-                swapped.append(f"{name}.{attr}")
-    return swapped
+        wraps["swiglu"] = _lm_swiglu
+    return mlx_lm_compat.swap_model_functions(model, wraps)

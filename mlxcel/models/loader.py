@@ -70,9 +70,14 @@ class LoadedModel:
 def load_model(
     resolved: ResolvedModel, *, dtype: str = "float32", keep_quantized: bool = False
 ) -> LoadedModel:
-    """Load ``resolved`` with mlx_lm; blocking, evaluates all weights before returning."""
+    """Load ``resolved`` with mlx_lm; blocking, evaluates all weights before returning.
+
+    Raises ``IncompatibleMlxLm`` first when the installed mlx-lm is not one we tested."""
     from mlx_lm.utils import get_total_parameters, load
 
+    from mlxcel.models import mlx_lm_compat
+
+    mlx_lm_compat.install()
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     # lazy=True: convert first, then evaluate once, so the quantised and the
@@ -93,7 +98,7 @@ def load_model(
     mx.eval(model.parameters())
     fast_lm.install(model)  # vectorised softmax / SwiGLU on the CPU (see fast_lm)
 
-    tokenizer = wrapper._tokenizer  # mlx_lm exposes no public accessor
+    tokenizer = mlx_lm_compat.tokenizer_of(wrapper)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

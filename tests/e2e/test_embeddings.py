@@ -266,7 +266,9 @@ async def test_a_full_embedding_queue_is_503_server_busy(side_server: ServerProc
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(post, big)
-            await trio.sleep(0.5)  # the worker is busy with `big`; the queue holds 2
+            # The worker is busy with `big`; the queue holds 2. (It takes `big` off its queue
+            # within milliseconds; the server shows no embedding-queue state to wait on.)
+            await trio.sleep(0.5)
             for _ in range(5):
                 nursery.start_soon(post, ["small"])
     assert statuses.count(503) >= 1 and statuses.count(200) >= 3
@@ -306,9 +308,10 @@ async def test_a_long_embedding_batch_does_not_stall_a_chat_stream(
                             gaps.append(now - last)
                         last = now
 
+        # Both at once: only the gaps while the batch runs count (see chat), and the batch
+        # is checked to have overlapped the stream.
         async with trio.open_nursery() as nursery:
             nursery.start_soon(embed)
-            await trio.sleep(0.3)
             await chat()
     batch_secs = embed_window[1] - embed_window[0]
     assert batch_secs > 1.0  # the batch really overlapped the stream

@@ -19,6 +19,22 @@ from tests.conftest import ServerProcess
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 
 
+def busy_slots(server: ServerProcess) -> int:
+    return sum(1 for s in httpx.get(f"{server.base_url}/slots").json() if s["is_processing"])
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition`` (a look at the server, as an operator's probe would) until true."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def draining(server: ServerProcess) -> bool:
+    return httpx.get(f"{server.base_url}/health").status_code == 503
+
+
 def chat_body(**kw: Any) -> dict[str, Any]:
     return {"messages": MESSAGES, **kw}
 
@@ -95,9 +111,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tiny_model_dir: Path) 
 
     t = threading.Thread(target=in_flight)
     t.start()
-    time.sleep(0.5)
+    wait_for(lambda: busy_slots(server) == 1, "the request to run")
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_for(lambda: draining(server), "/health to say it drains")
     refused = httpx.post(url, json=chat_body(max_tokens=2), timeout=10)
     t.join(60)
     code = server.proc.wait(timeout=60)
@@ -136,7 +152,7 @@ def test_sigterm_ends_requests_past_the_graceful_timeout(tiny_model_dir: Path) -
         done.set()
 
     threading.Thread(target=endless, daemon=True).start()
-    time.sleep(0.5)
+    wait_for(lambda: busy_slots(server) == 1, "the request to run")
     tic = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=30) == 0

@@ -404,6 +404,7 @@ def test_unix_socket_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     import sys
 
     sock = tmp_path / "mlxcel.sock"
+    log = (tmp_path / "server.log").open("wb")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -417,18 +418,18 @@ def test_unix_socket_server(tiny_model_dir: Path, tmp_path: Path) -> None:
             "--port",
             "0",
             "--no-warmup",
-        ]
+        ],
+        stderr=log,
     )
     try:
         transport = httpx.HTTPTransport(uds=str(sock))
         client = httpx.Client(transport=transport, base_url="http://localhost")
         deadline = time.monotonic() + 120
-        # The socket appears only once the model is loaded and the listener is up. (Polling with
+        # The server logs "serving ... on unix:..." once its listener is up. (Polling with
         # connects before that leaks sockets inside httpcore on failed UDS connects.)
-        while not sock.exists():
+        while "serving " not in (tmp_path / "server.log").read_text(errors="replace"):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
-        time.sleep(0.2)
         assert client.get("/health").status_code == 200
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
         sdk = openai.OpenAI(
@@ -445,7 +446,9 @@ def test_unix_socket_server(tiny_model_dir: Path, tmp_path: Path) -> None:
         client.close()
     finally:
         proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        code = proc.wait(timeout=60)
+        log.close()
+    assert code == 0
     assert not sock.exists(), "the socket file must be removed on exit"
 
 

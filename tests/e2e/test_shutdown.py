@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,21 @@ async def read_stream(
     results["ended_at"][name] = time.monotonic()
 
 
+async def busy_slots(client: httpx.AsyncClient) -> int:
+    return sum(1 for s in (await client.get("/slots")).json() if s["is_processing"])
+
+
+async def health_status(client: httpx.AsyncClient) -> int:
+    return (await client.get("/health")).status_code
+
+
+async def poll(probe: Callable[[], Awaitable[int]], want: int) -> None:
+    """Ask the server (another process) until ``probe`` gives ``want``, as a probe would."""
+    with trio.fail_after(30):
+        while await probe() != want:  # noqa: ASYNC110 - another process: no event to await
+            await trio.sleep(0.05)
+
+
 async def non_streamed(client: httpx.AsyncClient, results: dict[str, Any]) -> None:
     body = {"model": "default", "messages": CHAT, "max_tokens": LONG, "ignore_eos": True}
     results["plain"] = await client.post("/v1/chat/completions", json=body)
@@ -184,11 +200,12 @@ async def test_sigterm_ends_every_stream_properly_then_exits_0(
                 for event in results["started"].values():
                     await event.wait()
                 await results["ws_open"].wait()
-            await trio.sleep(0.3)  # the non-streamed request is running too
+                # The non-streamed request is running too: every slot is busy.
+                await poll(lambda: busy_slots(client), len(STREAMS) + 1)
             server.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            await trio.sleep(0.5)
             # Draining: out of the load balancer's rotation, and new work is turned away.
+            await poll(lambda: health_status(client), 503)
             health = await client.get("/health")
             refused = await client.post(
                 "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}

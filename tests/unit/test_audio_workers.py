@@ -1,4 +1,9 @@
-"""The audio worker actors on fake engines: queue bound, timeout, cancellation, turn-taking."""
+"""The audio worker actors on fake engines: queue bound, timeout, cancellation, turn-taking.
+
+The engines run on the workers' real threads, so a mock clock would jump past the workers'
+own timeouts whenever a thread works: the tests wait on what the fakes signal instead
+(``threading.Event``s, awaited from a worker thread) and on ``wait_all_tasks_blocked``.
+"""
 
 from __future__ import annotations
 
@@ -23,11 +28,12 @@ TTS_INFO = TtsInfo(model_id="fake-voice", path=None, engine="fake", sample_rate=
 
 
 class FakeWhisper:
-    """One segment per second of audio; each segment waits for ``gate`` when one is given."""
+    """One segment per second of audio; each segment waits for ``gate`` when one is given.
+    ``decoding`` is set when a segment starts (and so waits at the gate)."""
 
-    def __init__(self, gate: threading.Event | None = None, delay: float = 0.0) -> None:
+    def __init__(self, gate: threading.Event | None = None) -> None:
         self.gate = gate
-        self.delay = delay
+        self.decoding = threading.Event()
         self.started: list[float] = []
         self.segments_run = 0
 
@@ -38,11 +44,16 @@ class FakeWhisper:
 
     def _segments(self, n: int, options: SttOptions) -> Iterator[Segment]:
         for i in range(n):
+            self.decoding.set()
             if self.gate is not None:
                 self.gate.wait(10)
-            time.sleep(self.delay)
             self.segments_run += 1
             yield Segment(id=i, start=i, end=i + 1, text=f" s{i}", temperature=options.temperature)
+
+
+async def _cancellable(scope: trio.CancelScope, call: Any, *args: Any) -> None:
+    with scope:
+        await call(*args)
 
 
 def audio(seconds: int) -> np.ndarray:
@@ -108,10 +119,14 @@ async def test_cancelled_caller_drops_queued_work() -> None:
         await nursery.start(stt.run)
         async with trio.open_nursery() as callers:
             callers.start_soon(stt.transcribe, audio(1))
-            await trio.sleep(0.2)
+            await trio.to_thread.run_sync(whisper.decoding.wait, 10)
             # Queued behind the first (blocked) job; its caller gives up (client disconnect).
-            with trio.move_on_after(0.2):
-                await stt.transcribe(audio(7))
+            gives_up = trio.CancelScope()
+            callers.start_soon(_cancellable, gives_up, stt.transcribe, audio(7))
+            await trio.testing.wait_all_tasks_blocked()
+            assert stt.queued == 2
+            gives_up.cancel()
+            await trio.testing.wait_all_tasks_blocked()
             gate.set()
         # The 7-second job never started decoding.
         assert whisper.started == [1]
@@ -120,7 +135,9 @@ async def test_cancelled_caller_drops_queued_work() -> None:
 
 
 async def test_long_job_does_not_block_a_short_one() -> None:
-    stt = SpeechToText(STT_INFO, lambda: FakeWhisper(delay=0.02), queue_depth=4)
+    gate = threading.Event()
+    whisper = FakeWhisper(gate)
+    stt = SpeechToText(STT_INFO, lambda: whisper, queue_depth=4)
     order: list[int] = []
     async with trio.open_nursery() as nursery:
         await nursery.start(stt.run)
@@ -131,8 +148,11 @@ async def test_long_job_does_not_block_a_short_one() -> None:
 
         async with trio.open_nursery() as callers:
             callers.start_soon(run, 60)
-            await trio.sleep(0.05)
+            # The long job is decoding its first segment when the short one arrives.
+            await trio.to_thread.run_sync(whisper.decoding.wait, 10)
             callers.start_soon(run, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
         # Segments take turns, so the 1-second clip finishes before the 60-second one.
         assert order == [1, 60]
         nursery.cancel_scope.cancel()
@@ -204,7 +224,11 @@ async def test_closing_the_consumer_stops_synthesis() -> None:
             async for _ in chunks:
                 break
         assert tts.queued == 0
-        await trio.sleep(0.3)
+        # Wanted an hour from now, this runs only once no job wanted sooner is left: the
+        # abandoned one, had it gone on, would have said all 200 sentences by then.
+        async for _ in tts.synthesize("Probe.", deadline=time.monotonic() + 3600):
+            pass
+        assert voice.spoken[-1] == "Probe"
         assert len(voice.spoken) < 50
         nursery.cancel_scope.cancel()
 
@@ -227,9 +251,12 @@ async def test_the_earliest_deadline_is_spoken_first() -> None:
     needed only seconds later, and ahead of a long answer's later sentences."""
     gate = threading.Event()
 
+    inside = threading.Event()
+
     class GatedVoice(FakeVoice):
         def synthesize(self, text: str, voice: str, speed: float) -> Iterator[bytes]:
             if text == "Hold.":
+                inside.set()
                 gate.wait(10)
             return super().synthesize(text, voice, speed)
 
@@ -244,15 +271,14 @@ async def test_the_earliest_deadline_is_spoken_first() -> None:
         await nursery.start(tts.run)
         async with trio.open_nursery() as callers:
             callers.start_soon(speak, "Hold.")
-            await trio.sleep(0.1)  # the worker is inside "Hold." now
+            await trio.to_thread.run_sync(inside.wait, 10)  # the worker is inside "Hold." now
             now = time.monotonic()
             callers.start_soon(speak, "Later piece.", now + 5)
             # 60 sentences of 10 chars: ~0.125 s of audio each at 8 kHz, so its third sentence
             # is wanted ~0.25 s from now, before the 5 s piece but after a piece wanted now.
             callers.start_soon(speak, ". ".join(f"Long {i:05d}" for i in range(60)), now)
-            await trio.sleep(0.05)
             callers.start_soon(speak, "First piece.", now + 0.1)
-            await trio.sleep(0.1)
+            await trio.testing.wait_all_tasks_blocked()  # all four are queued
             gate.set()
         spoken = voice.spoken
         assert spoken[:3] == ["Hold", "Long 00000", "First piece"]

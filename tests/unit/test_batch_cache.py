@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxcel.actors.model_runner import batch_cache
+from mlxcel.models import mlx_lm_compat
 
 H, D = 2, 4
 
@@ -49,8 +49,8 @@ def test_extend_matches_mlx_lm(
 ) -> None:
     expected, got = _batch(*running, seed=1), _batch(*running, seed=1)
     other_a, other_b = _batch(*joining, seed=2), _batch(*joining, seed=2)
-    batch_cache._ORIGINAL_EXTEND(expected, other_a)
-    batch_cache._extend(got, other_b)
+    mlx_lm_compat._ORIGINAL_EXTEND(expected, other_a)
+    mlx_lm_compat._extend(got, other_b)
     assert got._idx == expected._idx
     assert got.left_padding.tolist() == expected.left_padding.tolist()
     assert got.offset.tolist() == expected.offset.tolist()

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.fake import FakeBackend
@@ -35,7 +36,7 @@ async def test_stop_ends_a_running_stream_with_length_and_done(smollm_tokenizer:
     stop = trio.Event()
     frames: list[str] = []
     async with trio.open_nursery() as nursery:
-        await nursery.start(
+        _, ctx = await nursery.start(
             lambda task_status: serve(
                 settings, build_backend=lambda: backend, stop=stop, task_status=task_status
             )
@@ -51,7 +52,8 @@ async def test_stop_ends_a_running_stream_with_length_and_done(smollm_tokenizer:
                     if len(frames) == 5:
                         break
                 stop.set()
-                await trio.sleep(0.1)
+                await trio.testing.wait_all_tasks_blocked()  # the server has seen it
+                assert ctx.admission.draining
                 async with httpx.AsyncClient(base_url=base, timeout=30) as other:
                     health = await other.get("/health")
                     refused = await other.post("/v1/chat/completions", json={"messages": CHAT})

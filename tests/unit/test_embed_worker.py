@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from mlxcel.actors.embedder import Embedder, EmbedderInfo, Encoded
 from mlxcel.runtime.errors import ServerBusy, Timeout
@@ -86,7 +87,7 @@ async def test_waiting_jobs_share_micro_batches_and_pairs_score() -> None:
             await trio.to_thread.run_sync(backend.entered.wait)
             jobs.start_soon(one, "second", ["aaaa", [7, 8]])
             jobs.start_soon(one, "third", ["aaa", "aaaaa"])
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()  # both are queued
             backend.gate.set()
         nursery.cancel_scope.cancel()
     assert backend.batches == [[1], [2, 3, 4, 5]]
@@ -124,7 +125,7 @@ async def test_a_full_queue_is_server_busy_and_a_slow_answer_times_out() -> None
             timed_out.set()
 
         nursery.start_soon(queued)
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()  # "queued" holds the one place
         with pytest.raises(ServerBusy):
             await embedder.embed(["refused"])
         await timed_out.wait()

@@ -92,7 +92,8 @@ async def test_stop_string_across_tokens_is_cut_and_generation_stops(smollm_toke
         assert body["choices"][0]["message"]["content"] == text[: text.index(stop)]
         assert body["choices"][0]["finish_reason"] == "stop"
         steps = backend.steps
-        await trio.sleep(0.2)
+        # Out of the batch (a row that ran on would stay for 500 tokens) within one step.
+        await wait_until(lambda: backend.rows == 0)
         assert backend.steps <= steps + 1, "the sequence kept running after its stop string"
 
 
@@ -132,7 +133,7 @@ async def test_disconnect_mid_prefill_stops_within_one_chunk(smollm_tokenizer: A
             assert r.status_code == 200
             await wait_until(lambda: sum(backend.chunks_done.values()) >= 2)
         chunks_at_disconnect = sum(backend.chunks_done.values())
-        await trio.sleep(0.5)  # ten more steps' worth of time
+        await wait_until(lambda: backend.rows == 0)  # the abort has reached the batch
         assert sum(backend.chunks_done.values()) <= chunks_at_disconnect + 1
         assert ctx.admission.queued == 0
         # The freed slot serves the next request at once.
@@ -141,13 +142,14 @@ async def test_disconnect_mid_prefill_stops_within_one_chunk(smollm_tokenizer: A
 
 
 async def test_disconnected_non_streaming_request_stops_too(smollm_tokenizer: Any) -> None:
-    async with fake_server(smollm_tokenizer, step_delay=0.02) as (client, backend, _):
-        with trio.move_on_after(0.3):
+    async with fake_server(smollm_tokenizer, step_delay=0.02) as (client, backend, ctx):
+        with trio.move_on_after(0.3):  # the client gives up waiting
             await client.post("/v1/chat/completions", json=chat(max_tokens=100_000))
-        await trio.sleep(0.1)
+        await wait_until(lambda: ctx.admission.active == 0)  # its handler has sent the abort
         steps = backend.steps
-        await trio.sleep(0.3)
-        assert backend.steps == steps, "generation went on after the client left"
+        # Left the batch (else it would run for 100,000 tokens), within one step.
+        await wait_until(lambda: backend.rows == 0)
+        assert backend.steps <= steps + 1, "generation went on after the client left"
 
 
 async def test_one_disconnect_aborts_only_that_request(smollm_tokenizer: Any) -> None:

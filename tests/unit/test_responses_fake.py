@@ -218,7 +218,7 @@ async def test_cancel_stops_an_in_flight_stream(smollm_tokenizer: Any, tmp_path:
             cancelled = await client.post(f"/v1/responses/{rid}/cancel")
             rest = [line async for line in lines if line.startswith("data: ")]
         steps = backend.steps
-        await trio.sleep(0.3)
+        await wait_until(lambda: backend.rows == 0)  # 100,000 tokens had it gone on
         assert backend.steps <= steps + 1, "generation went on after the cancel"
         stored = (await client.get(f"/v1/responses/{rid}")).json()
         assert not store_running(ctx)
@@ -245,9 +245,9 @@ async def test_disconnect_aborts_the_generation(smollm_tokenizer: Any, tmp_path:
         async with client.stream("POST", "/v1/responses", json=body) as r:
             assert r.status_code == 200
             await wait_until(lambda: backend.steps > 3)
-        await trio.sleep(0.1)
+        await wait_until(lambda: ctx.admission.active == 0)  # its handler has sent the abort
         steps = backend.steps
-        await trio.sleep(0.3)
+        await wait_until(lambda: backend.rows == 0)  # 100,000 tokens had it gone on
         assert backend.steps <= steps + 1
         await wait_until(lambda: not store_running(ctx))
 

@@ -86,7 +86,9 @@ async def test_a_reader_leaving_does_not_stop_the_stream(
     assert p.events == ["closed", "dropped"]
 
 
-async def test_the_buffer_keeps_its_tail_and_a_reader_behind_it_is_ended() -> None:
+async def test_the_buffer_keeps_its_tail_and_a_reader_behind_it_is_ended(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     streams = StreamSessions(max_bytes=10)
     p = Producer()
     async with trio.open_nursery() as nursery:
@@ -94,7 +96,7 @@ async def test_the_buffer_keeps_its_tail_and_a_reader_behind_it_is_ended() -> No
         session = p.attach(streams)
         for chunk in (b"aaaa", b"bbbb", b"cccc"):
             await p.tx.send(chunk)
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
         assert session.dropped == 2 and session.total_bytes == 12
         got: list[bytes] = []
         await _collect(session.follow(0, 5.0), got)  # offset 0 fell off the front
@@ -112,15 +114,15 @@ async def test_replacing_or_evicting_cancels_the_old_generation_and_ends_its_rea
         await nursery.start(streams.run)
         old = first.attach(streams, "k", "c")
         await first.tx.send(b"x")
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
         got: list[bytes] = []
         nursery.start_soon(_collect, old.follow(0, 5.0), got)
         new = second.attach(streams, "k", "c")
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
         assert old.done and first.events == ["closed", "dropped"] and got == [b"x"]
         assert streams.get("k", "c") is new and len(streams) == 1
         streams.evict("k", "c")
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
         assert new.done and second.events == ["closed", "dropped"]
         assert streams.get("k", "c") is None
         streams.evict("k", "c")  # idempotent
@@ -135,7 +137,7 @@ async def test_a_session_cancelled_before_its_body_runs_says_nothing_and_cleans_
         await nursery.start(streams.run)
         session = p.attach(streams)
         streams.evict("", "c")  # before the actor's task ever ran
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
         assert session.done and session.total_bytes == 0
         assert p.events == ["closed", "dropped"]
         nursery.cancel_scope.cancel()
@@ -150,11 +152,11 @@ async def test_finished_sessions_expire_and_the_oldest_go_past_the_cap() -> None
         for i, p in enumerate(producers[:3]):
             p.attach(streams, "", f"c{i}")
             await p.tx.aclose()
-            await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
             now[0] += 10
         live = producers[3]
         live.attach(streams, "", "live")
-        await trio.sleep(0.01)
+        await trio.testing.wait_all_tasks_blocked()
         # Three finished, two may stay: the oldest (c0) goes; the live one is never swept.
         assert [s.conversation_id for s in streams.lookup("", ["c0", "c1", "c2", "live"])] == [
             "c1",

@@ -18,6 +18,9 @@ mlx-lm's generator gives (tests/unit/test_eager_start.py).
 
 Rows the caller holds back (``hold``) keep mlx-lm's pace: the backend's forking of n choices
 extracts a row's cache right after its prompt, before the last token is read.
+
+Every private name of mlx-lm used here (the overridden ``_next`` and ``_step``, the queues,
+a batch's per-row state) goes through ``mlxcel.models.mlx_lm_compat``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+
+from mlxcel.models import mlx_lm_compat as compat
 
 # Where a row stands with its first token.
 NORMAL = 0
@@ -44,7 +49,7 @@ class PrimedGenerationBatch(GenerationBatch):
         if primed:
             # A placeholder: a primed row's current token is a prompt token, never reported.
             # (Made here, on the model runner's thread: mlx arrays are bound to a stream.)
-            self._next_logprobs = [mx.zeros((1,))] * len(self.uids)
+            compat.set_next_logprobs(self, [mx.zeros((1,))] * len(self.uids))
 
     @classmethod
     def joining(cls, source: PromptProcessingBatch, last: list[list[int]]) -> Any:
@@ -65,6 +70,11 @@ class PrimedGenerationBatch(GenerationBatch):
         source.uids, source.prompt_cache, source.tokens = [], [], []
         source.samplers, source.logits_processors, source.max_tokens = [], [], []
         return batch
+
+    def reported_early(self, i: int) -> bool:
+        """Whether row ``i``'s current input is a token already reported (eager start): it is
+        not in the row's tokens yet, nor has the row's logits processors' context seen it."""
+        return self._starts[i] == REPORTED
 
     def _step(self) -> Any:
         if self._priming:  # the constructor's own pass: skipped, the batch step does it
@@ -88,10 +98,12 @@ class PrimedGenerationBatch(GenerationBatch):
         tokens, logprobs = self._step()
         starts = self._starts
         first: list[int] = []
+        dists: list[Any] = []
         if PRIMED in starts:
-            primed = [self._next_logprobs[i] for i, s in enumerate(starts) if s == PRIMED]
-            mx.eval(self._next_tokens, primed)
-            first = cast(list[int], self._next_tokens.tolist())  # a 1-d int array
+            sampled, dists = compat.next_tokens(self), compat.next_logprobs(self)
+            mx.eval(sampled, [dists[i] for i, s in enumerate(starts) if s == PRIMED])
+            first = cast(list[int], sampled.tolist())  # a 1-d int array
+        counts, matchers = compat.row_counters(self)
         keep = []
         responses = []
         for i, uid in enumerate(self.uids):
@@ -101,14 +113,14 @@ class PrimedGenerationBatch(GenerationBatch):
                 continue
             if starts[i] == PRIMED:
                 starts[i] = REPORTED
-                token, dist = first[i], self._next_logprobs[i]
+                token, dist = first[i], dists[i]
             else:
                 token, dist = tokens[i], logprobs[i]
             finish_reason = None
-            self._num_tokens[i] += 1
-            if self._num_tokens[i] >= self.max_tokens[i]:
+            counts[i] += 1
+            if counts[i] >= self.max_tokens[i]:
                 finish_reason = "length"
-            if self._matchers[i].advance(token):
+            if matchers[i].advance(token):
                 finish_reason = "stop"
             done = finish_reason is not None
             if not done:
@@ -132,8 +144,9 @@ class PrimedGenerationBatch(GenerationBatch):
 class EagerStartBatchGenerator(BatchGenerator):
     def __init__(self, *args: Any, hold: Callable[[int], bool], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        compat.check_generator(self)
         self._hold = hold
-        self._generation_batch = PrimedGenerationBatch.empty(self.model, self.sampler)
+        compat.set_generation_batch(self, PrimedGenerationBatch.empty(self.model, self.sampler))
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         started = self._start_unread_rows()
@@ -145,63 +158,53 @@ class EagerStartBatchGenerator(BatchGenerator):
         """Rows waiting with nothing to read but their last token (forked choices, exact
         prompt-cache hits) join primed before this step's decode: their first token comes
         out of this very step (mlx-lm: a pass each now, the token a step later)."""
-        room = self.completion_batch_size - len(self._generation_batch) - len(self._prompt_batch)
+        generating = compat.generation_batch(self)
+        room = self.completion_batch_size - len(generating) - len(compat.prompt_batch(self))
+        queue = compat.waiting(self)
         rows: list[tuple[Any, ...]] = []
-        while self._unprocessed_sequences and len(rows) < room:
-            uid, segments = self._unprocessed_sequences[0][:2]
+        last: list[list[int]] = []
+        while queue and len(rows) < room:
+            uid, segments = compat.waiting_prompt(queue[0])
             if len(segments) != 1 or len(segments[0]) != 1 or self._hold(uid):
                 break
-            rows.append(self._unprocessed_sequences.popleft())
+            rows.append(queue.popleft())
+            last.append(segments[0])
         if not rows:
             return []
-        # (uid, segments, max_tokens, cache, tokens in the cache, sampler, processors, stops)
-        uids, segments, max_tokens, caches, known, samplers, processors, stops = map(
-            list, zip(*rows, strict=True)
-        )
-        source = PromptProcessingBatch(
-            self.model,
-            uids,
-            caches,
-            known,
-            self.prefill_step_size,
-            samplers,
-            self.sampler,
-            processors,
-            stops,
-            max_tokens,
-        )
-        self._generation_batch.extend(
-            PrimedGenerationBatch.joining(source, [s[0] for s in segments])
-        )
+        source = compat.prompt_batch_of(self, rows)
+        uids = list(source.uids)
+        generating.extend(PrimedGenerationBatch.joining(source, last))
         return [PromptProcessingBatch.Response(uid, (1, 1), True, True) for uid in uids]
 
     def _start_read_rows(self, prompt_responses: list[Any]) -> None:
         """Move the rows left with only their last token to read into the generation batch,
         primed with it (mlx-lm moves them at the start of its next call, with a pass each)."""
+        generating = compat.generation_batch(self)
+        prompts = compat.prompt_batch(self)
+        rows = compat.reading(self)  # per row being read: (segments left, prompt length)
         ready = [
             i
-            for i, (segments, _, _) in enumerate(self._currently_processing)
-            if len(segments) == 1
-            and len(segments[0]) == 1
-            and not self._hold(self._prompt_batch.uids[i])
+            for i, (segments, _) in enumerate(rows)
+            if len(segments) == 1 and len(segments[0]) == 1 and not self._hold(prompts.uids[i])
         ]
-        if not ready or len(self._generation_batch) + len(ready) > self.completion_batch_size:
+        if not ready or len(generating) + len(ready) > self.completion_batch_size:
             return
         chosen = set(ready)
-        last = [self._currently_processing[i][0][0] for i in ready]
-        sizes = [self._currently_processing[i][2] for i in ready]
-        self._currently_processing = [
-            seq for i, seq in enumerate(self._currently_processing) if i not in chosen
-        ]
-        if len(ready) == len(self._prompt_batch):
+        last = [rows[i][0][0] for i in ready]
+        sizes = [rows[i][1] for i in ready]
+        compat.set_reading(self, (i for i in range(len(rows)) if i not in chosen))
+        if len(ready) == len(prompts):
             # All of it moves: hand the batch over instead of copying its KV cache to split.
-            source = self._prompt_batch
-            self._prompt_batch = PromptProcessingBatch.empty(
-                self.model, self.sampler, prefill_step_size=self.prefill_step_size
+            source = prompts
+            compat.set_prompt_batch(
+                self,
+                PromptProcessingBatch.empty(
+                    self.model, self.sampler, prefill_step_size=self.prefill_step_size
+                ),
             )
         else:
-            source = self._prompt_batch.split(ready)
+            source = prompts.split(ready)
         batch = PrimedGenerationBatch.joining(source, last)
         for uid, size in zip(batch.uids, sizes, strict=True):
             prompt_responses.append(PromptProcessingBatch.Response(uid, (size, size), True, True))
-        self._generation_batch.extend(batch)
+        generating.extend(batch)

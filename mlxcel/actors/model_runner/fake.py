@@ -63,6 +63,8 @@ class FakeBackend:
         self.chunks_done: dict[str, int] = {}
         self.prompt_tokens_read = 0
         self.steps = 0
+        # Rows in the batch at each step (tests read it, rather than sampling ``rows``).
+        self.rows_per_step: list[int] = []
 
     @property
     def rows(self) -> int:
@@ -89,6 +91,7 @@ class FakeBackend:
         if not self._seqs:
             return StepOutput()
         self.steps += 1
+        self.rows_per_step.append(len(self._seqs))
         if self._delay:
             time.sleep(self._delay)
         tokens: list[TokenOut] = []

@@ -16,7 +16,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
-from mlxcel.actors.model_runner import batch_cache, invariance, sampler_chain
+from mlxcel.actors.model_runner import invariance, sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
 from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
@@ -25,7 +25,7 @@ from mlxcel.actors.model_runner.memory import release_idle_memory
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.models import fast_lm
+from mlxcel.models import fast_lm, mlx_lm_compat
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -67,7 +67,7 @@ class MlxBackend:
             description=f"{loaded.model_id} ({loaded.dtype})",
             meta=model_meta(loaded),
         )
-        batch_cache.install()
+        mlx_lm_compat.install()  # once per process; the loader did it already
         if settings.batch_invariant:
             problem = invariance.prepare(loaded.model, settings.parallel)
             if problem is not None:
@@ -202,7 +202,7 @@ class MlxBackend:
         """Rows whose context is full leave the batch and join again with their kept tokens
         (``slots`` explains why they are read again rather than moved)."""
         assert self._shift is not None
-        batch = self._gen._generation_batch
+        batch = mlx_lm_compat.generation_batch(self._gen)
         moves = []
         for r in responses:
             if r.finish_reason is not None or r.uid not in self._shift:
@@ -217,7 +217,7 @@ class MlxBackend:
                     r.uid,
                     r.token if early else None,
                     shifted(tokens, self._ctx, n_keep, n_discard, n_prompt),
-                    batch.max_tokens[i] - batch._num_tokens[i],
+                    mlx_lm_compat.tokens_left(batch, i),
                     batch.samplers[i],
                     batch.logits_processors[i],
                     batch.stop_sequences[i],
@@ -449,13 +449,13 @@ class MlxBackend:
         if self._cache is None:
             return {}
         # Where each row is: 0 waiting (nothing read), 1 reading its prompt, 2 generating.
-        stages = self._gen._find_uids(
-            [u for rid in requests for u in self._uids_by_rid.get(rid, ())]
+        stages = mlx_lm_compat.row_stages(
+            self._gen, [u for rid in requests for u in self._uids_by_rid.get(rid, ())]
         )
         donors = {}
         for rid in requests:
             key = self._cache_key.get(rid)
-            uids = [u for u in self._uids_by_rid.get(rid, ()) if stages.get(u, (0,))[0] > 0]
+            uids = [u for u in self._uids_by_rid.get(rid, ()) if stages.get(u, 0) > 0]
             if key is not None and uids:
                 donors[uids[0]] = key
         return donors

@@ -20,6 +20,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from mlxcel.models import mlx_lm_compat
 from mlxcel.runtime.messages import CacheStats
 
 MAX_ENTRIES = 256
@@ -60,9 +61,9 @@ class PromptCache:
         """The cache of the longest prefix of these tokens held, and its length. The entry
         stored for exactly these tokens comes as it is (read it, never change it); one that
         a longer sequence has since replaced comes as a trimmed copy."""
-        trie = self._lru._trie
-        if trie.search(key, tokens).exact is not None:
-            return list(trie.get(key, tokens).prompt_cache), len(tokens)
+        exact = mlx_lm_compat.lru_exact(self._lru, key, tokens)
+        if exact is not None:
+            return exact, len(tokens)
         cache, rest = self._lru.fetch_nearest_cache(key, tokens)
         if cache is None:
             return None, 0
@@ -70,16 +71,8 @@ class PromptCache:
         return cache, len(tokens) - len(rest)
 
     def remove(self, key: str, tokens: list[int]) -> bool:
-        """Drop the entry for exactly these tokens (a slot erase). mlx-lm's LRU has no public
-        removal, so this does what its own eviction does."""
-        lru = self._lru
-        if lru._trie.search(key, tokens).exact is None:
-            return False
-        entry = lru._trie.pop(key, tokens)
-        lru._lru.remove(key, tokens)
-        lru._n_bytes -= entry.nbytes
-        lru._n_bytes_by_type[entry.cache_type] -= entry.nbytes
-        return True
+        """Drop the entry for exactly these tokens (a slot erase)."""
+        return mlx_lm_compat.lru_remove(self._lru, key, tokens)
 
     def reset(self) -> None:
         self._lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=self._max_bytes)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from mlxcel.actors.model_runner.eager_start import REPORTED
+from mlxcel.actors.model_runner.eager_start import PrimedGenerationBatch
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.runtime.messages import SlotAction, SlotState
 
@@ -142,9 +142,8 @@ def row_state(batch: Any, uid: int, reported: int) -> tuple[int, list[int], bool
     except ValueError:
         return None
     tokens = list(batch.tokens[i])
-    # A token reported early (eager start) is not in the row's tokens yet, nor has the
-    # row's logits processors' context seen it.
-    early = getattr(batch, "_starts", None) is not None and batch._starts[i] == REPORTED
+    # A token reported early (eager start) is not in the row's tokens yet.
+    early = isinstance(batch, PrimedGenerationBatch) and batch.reported_early(i)
     if early:
         tokens.append(reported)
     return i, tokens, early
