@@ -15,7 +15,7 @@ import attrs
 if TYPE_CHECKING:
     import trio
 
-    from mlxcel.actors.embedder import EmbedReply
+    from mlxcel.runtime.reply import EmbedReply
     from mlxcel.runtime.slot import OutputSlot
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]

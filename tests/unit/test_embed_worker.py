@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import trio
 
-from mlxcel.actors.embedder import Embedder, EmbedderInfo, Encoded
+from mlxcel.actors.embedder import Embedder
+from mlxcel.models.embedder_info import EmbedderInfo, Encoded
 from mlxcel.runtime.errors import ServerBusy, Timeout
 from mlxcel.runtime.messages import EmbedInput
 
