@@ -314,10 +314,11 @@ def _truncated(
         max_output=gen.max_tokens,
     )
     starts = [i for i, item in enumerate(context) if _starts_turn(item)]
-    if not starts or len(ctx.tokenizer.encode(gen)) <= limit:
+    count = ctx.pipeline.count_tokens
+    if not starts or count(gen) <= limit:
         return gen
     first = truncation.first_kept(
-        len(starts), 0, lambda k: len(ctx.tokenizer.encode(build(context[starts[k] :]))), limit, 1.0
+        len(starts), 0, lambda k: count(build(context[starts[k] :])), limit, 1.0
     )
     log.info(
         "response %s: the model reads items %d.. of %d", gen.request_id, starts[first], len(context)
@@ -482,5 +483,5 @@ async def input_tokens() -> Response:
         ctx.settings.sampling,
         tokenizer=ctx.info.tokenizer,
     )
-    n = len(await trio.to_thread.run_sync(ctx.tokenizer.encode, gen))
+    n = await trio.to_thread.run_sync(ctx.pipeline.count_tokens, gen)
     return _json({"object": "response.input_tokens", "input_tokens": n})

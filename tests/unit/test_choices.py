@@ -210,7 +210,7 @@ async def test_a_disconnect_aborts_every_choice(smollm_tokenizer: Any) -> None:
         steps = backend.steps
         await trio.sleep(0.2)
         assert backend.steps == steps, "a choice went on after the client left"
-        assert ctx.scheduler.running == 0 and ctx.admission.queued == 0
+        assert ctx.pipeline.statistics().running == 0 and ctx.admission.queued == 0
 
 
 async def test_n_is_bounded_by_parallel_and_validated(smollm_tokenizer: Any) -> None:
