@@ -521,3 +521,26 @@ class Transcription:
     # Seconds of audio that were read.
     duration: float
     segments: tuple[Segment, ...] = ()
+
+
+# --- http -> session store --------------------------------------------------------------------
+
+
+@attrs.define
+class CancelReply:
+    """What the session store did for a CancelResponse; read once ``done`` is set."""
+
+    done: trio.Event
+    # The response as it stood once its handler had ended it (None: none by that id ran).
+    snapshot: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class CancelResponse:
+    """Stop the Responses response generating under this id (`/v1/responses/{id}/cancel`)."""
+
+    response_id: str
+    reply: CancelReply
+
+
+SessionStoreInbox = CancelResponse

@@ -231,9 +231,9 @@ async def test_cancel_stops_an_in_flight_stream(smollm_tokenizer: Any, tmp_path:
     assert stored["status"] == "cancelled" and stored["output"][0]["content"][0]["text"]
 
 
-def store_running(ctx: ServerContext) -> dict[str, Any]:
+def store_running(ctx: ServerContext) -> tuple[str, ...]:
     assert ctx.session_store is not None
-    return ctx.session_store.running
+    return ctx.session_store.running_ids()
 
 
 async def test_disconnect_aborts_the_generation(smollm_tokenizer: Any, tmp_path: Path) -> None:
