@@ -25,8 +25,10 @@ OUTSIDE_THE_LAYERS = {
 
 
 def _lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
+    # The `lint-imports` command, run by this interpreter wherever its scripts are installed.
+    command = "from importlinter.cli import lint_imports_command; lint_imports_command()"
     return subprocess.run(
-        [str(Path(sys.executable).with_name("lint-imports")), "--no-cache", "--no-logo", *args],
+        [sys.executable, "-c", command, "--no-cache", "--no-logo", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
