@@ -221,7 +221,7 @@ async def serve(
             await wait_for_stop_signal()
         else:
             await stop.wait()
-        await drain(ctx, app, settings.graceful_timeout)
+        await drain(admission, ctx.long_lived, app, settings.graceful_timeout)
         # Hypercorn's own grace period would also wait for idle keep-alive connections, so it
         # only gets a short one: by now every response has been written.
         http_stop.set()

@@ -77,8 +77,8 @@ class ServerContext:
     settings: Settings
     info: ModelInfo
     pipeline: Pipeline
-    # Only for what drives admission itself: the drain, and realtime sessions (VoiceDeps
-    # still takes the actor). Handlers submit through ``pipeline``.
+    # Only for realtime sessions, whose VoiceDeps still takes the actor; every other handler
+    # submits through ``pipeline``.
     admission: Admission
     metrics: Metrics
     # The tool-call format in use (None: --tool-format none, tools are refused).
