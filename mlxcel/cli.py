@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel import cli_compat
+from mlxcel.paths import default_cache_dir
 from mlxcel.runtime import allocator
 from mlxcel.runtime.messages import SamplingParams
-from mlxcel.runtime.settings import Settings, default_cache_dir
+from mlxcel.runtime.settings import Settings
 
 log = logging.getLogger("mlxcel")
 

@@ -11,8 +11,9 @@ import logging
 
 import trio
 
-from mlxcel.http.context import ServerContext
+from mlxcel.actors.admission import Admission
 from mlxcel.http.inflight import InFlight
+from mlxcel.runtime.system import LongLived
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,9 @@ log = logging.getLogger(__name__)
 CLOSE_MARGIN = 2.0
 
 
-async def drain(ctx: ServerContext, requests: InFlight, graceful_timeout: float) -> None:
+async def drain(
+    admission: Admission, long_lived: LongLived, requests: InFlight, graceful_timeout: float
+) -> None:
     """Everything in flight ends properly within ``graceful_timeout`` seconds.
 
     Admission refuses new work (503 + Retry-After) and /health says 503 at once. Requests run
@@ -34,7 +37,6 @@ async def drain(ctx: ServerContext, requests: InFlight, graceful_timeout: float)
     Cancellation (an actor died and the root nursery is failing): returns at once; Hypercorn
     and the handlers are cancelled with everything else.
     """
-    admission = ctx.admission
     deadline = trio.current_time() + graceful_timeout
     admission.drain()
     with trio.move_on_at(deadline - min(CLOSE_MARGIN, graceful_timeout / 2)):
@@ -48,5 +50,5 @@ async def drain(ctx: ServerContext, requests: InFlight, graceful_timeout: float)
     with trio.move_on_at(deadline):
         await admission.wait_idle()
         await requests.wait_idle()
-        ctx.long_lived.close_all()
-        await ctx.long_lived.wait_closed()
+        long_lived.close_all()
+        await long_lived.wait_closed()

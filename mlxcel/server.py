@@ -22,6 +22,7 @@ from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.start import start_audio
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
+from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.session_store import open_session_store
@@ -183,9 +184,7 @@ async def serve(
             generation=side.generation,
             admission=admission,
             info=info,
-            tokenizer=tokenizer,
-            scheduler=scheduler,
-            scheduler_tx=tokenized_tx.clone(),
+            pipeline=LocalPipeline(admission, tokenizer, scheduler, tokenized_tx.clone()),
             metrics=metrics,
             tool_format=tool_format,
             session_store=session_store,
@@ -193,11 +192,8 @@ async def serve(
             tts=audio.tts,
             streams=streams,
         )
-        metrics.live.running = lambda: scheduler.running
-        metrics.live.rows = lambda: scheduler.rows
-        metrics.live.waiting = lambda: scheduler.waiting
+        metrics.live.scheduler = scheduler.statistics
         metrics.live.queued = lambda: admission.queued
-        metrics.live.cache = lambda: scheduler.cache_stats
         app = InFlight(create_app(ctx))
         http_stop = trio.Event()
         http_done = trio.Event()
@@ -225,7 +221,7 @@ async def serve(
             await wait_for_stop_signal()
         else:
             await stop.wait()
-        await drain(ctx, app, settings.graceful_timeout)
+        await drain(admission, ctx.long_lived, app, settings.graceful_timeout)
         # Hypercorn's own grace period would also wait for idle keep-alive connections, so it
         # only gets a short one: by now every response has been written.
         http_stop.set()

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxcel.runtime.settings import default_cache_dir
+from mlxcel.paths import default_cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -28,6 +28,8 @@ def render() -> str:
     for name, cls in vars(messages).items():
         if not (inspect.isclass(cls) and attrs.has(cls) and cls.__module__ == messages.__name__):
             continue
+        if name != cls.__name__:  # an alias (an inbox of one message type)
+            continue
         pos = source.index(f"class {name}")
         edge = max(((p, e) for p, e in edges.items() if p < pos), default=(0, ""))[1]
         fields = ", ".join(f"`{f.name}`" for f in attrs.fields(cls))

@@ -16,50 +16,17 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
 
+from mlxcel.models.embedder_info import EmbedderInfo, Encoded
 from mlxcel.runtime.errors import InternalError, MlxcelError, ServerBusy, Timeout, Unavailable
 from mlxcel.runtime.messages import Embedded, EmbedderInbox, EmbedInput, EmbedTexts, ScorePairs
+from mlxcel.runtime.reply import EmbedReply
 
 log = logging.getLogger(__name__)
-
-EmbedderKind = Literal["encoder", "decoder", "classifier"]
-
-
-@attrs.frozen(kw_only=True)
-class EmbedderInfo:
-    """Facts about a loaded embedder or cross-encoder for the Trio side (no mlx objects)."""
-
-    model_id: str
-    path: Path | None
-    kind: EmbedderKind
-    # Vector width (embedders); cross-encoders report their hidden size.
-    dim: int
-    vocab_size: int
-    # Longest input in tokens; longer texts are truncated, longer token-id inputs refused.
-    max_length: int
-    pooling: str
-    # The sentence-transformers layout ends with a Normalize module.
-    normalize: bool = False
-    n_params: int = 0
-    # The transformers tokenizer (thread-safe encode/decode), for routes that tokenise.
-    tokenizer: Any = attrs.field(default=None, repr=False, eq=False)
-
-    @property
-    def is_reranker(self) -> bool:
-        return self.kind == "classifier"
-
-
-@attrs.frozen
-class Encoded:
-    """One tokenised item: ids, and segment ids for sentence pairs."""
-
-    ids: tuple[int, ...]
-    types: tuple[int, ...] | None = None
 
 
 class EmbeddingBackend(Protocol):
@@ -74,37 +41,6 @@ class EmbeddingBackend(Protocol):
     def forward(self, batch: Sequence[Encoded]) -> Any:
         """``[n, dim]`` float32 vectors, or ``[n]`` scores for a cross-encoder (numpy)."""
         ...
-
-
-class EmbedReply:
-    """One job's answer box: the worker fills it, the handler waits on it."""
-
-    def __init__(self) -> None:
-        self._done = trio.Event()
-        self._result: Embedded | None = None
-        self._error: MlxcelError | None = None
-        # Read by the worker thread between micro-batches (a plain bool: a stale read only
-        # costs one more micro-batch).
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        """Nobody waits any more: the worker drops what of this job has not run yet."""
-        self.cancelled = True
-
-    def set_result(self, result: Embedded) -> None:
-        self._result = result
-        self._done.set()
-
-    def set_error(self, error: MlxcelError) -> None:
-        self._error = error
-        self._done.set()
-
-    async def wait(self) -> Embedded:
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
 
 
 @attrs.define

@@ -22,7 +22,9 @@ from mlxcel.runtime.messages import (
     OpenStream,
     ResetCache,
     SchedulerInbox,
+    SchedulerStatistics,
     SlotAction,
+    SlotStatistics,
     StepOutput,
     StepPlan,
     StepTokens,
@@ -61,29 +63,41 @@ class Scheduler:
         self._slot_actions: list[SlotAction] = []
         self._end_reasoning: list[str] = []
         self._prefilled: dict[str, int] = {}
-        self.cache_stats = CacheStats()
+        self._cache_stats = CacheStats()
 
-    # --- read-only views for /slots, /metrics ---------------------------------------------
+    # --- what others may see ----------------------------------------------------------------
 
-    @property
-    def running(self) -> int:
-        return len(self._state.running)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._state.waiting)
-
-    @property
-    def rows(self) -> int:
-        """Batch rows decoding: one per choice (a request with n choices holds n)."""
-        return self._state.rows
-
-    def running_request(self, request_id: str) -> Tokenized | None:
-        """The request if it is in the batch now (not waiting, not finished)."""
-        return self._state.running.get(request_id)
+    def statistics(self) -> SchedulerStatistics:
+        """A frozen copy of the state (counts, busy slots, prompt cache) for /slots, /metrics
+        and the control route. Taken between two steps: the loop never yields mid-update."""
+        state = self._state
+        slots: list[SlotStatistics | None] = []
+        for held in self.slot_items():
+            if held is None:
+                slots.append(None)
+                continue
+            item, choice = held
+            slots.append(
+                SlotStatistics(
+                    request=item.request,
+                    choice=choice,
+                    prompt_tokens=len(item.prompt_tokens),
+                    cached_tokens=item.slot.cached_tokens,
+                    decoded_tokens=item.slot.choice_tokens(choice),
+                    max_tokens=item.max_tokens,
+                )
+            )
+        return SchedulerStatistics(
+            running=len(state.running),
+            waiting=len(state.waiting),
+            rows=state.rows,
+            slots=tuple(slots),
+            cache=self._cache_stats,
+        )
 
     def slot_items(self) -> list[tuple[Tokenized, int] | None]:
-        """Per slot: the request in it and which of its choices, or None when free."""
+        """Per slot: the request in it and which of its choices, or None when free. Live
+        objects, for this actor and the tests; everyone else reads ``statistics()``."""
         state = self._state
         return [
             (state.running[rid], choice) if rid is not None and rid in state.running else None
@@ -186,7 +200,7 @@ class Scheduler:
 
     async def _after(self, output: StepOutput, busy: int, seconds: float) -> None:
         if output.cache is not None:
-            self.cache_stats = output.cache
+            self._cache_stats = output.cache
         for rid, n in output.cached:
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.placed(n)

@@ -7,6 +7,10 @@ a method returns, so whatever a client was told is stored survives a restart or 
 
 The actor also keeps the registry of responses being generated right now (process-local, not
 persisted), so that ``POST /v1/responses/{id}/cancel`` can stop one and ``GET`` can show it.
+The registry is the actor's own: a handler enters and leaves it through ``begin_running`` /
+``end_running``, and stopping another request's response is a message (``CancelResponse``)
+that the actor acts on, waits on and answers, so a canceller that leaves half-way changes
+nothing.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, assert_never
 
 import outcome
 import trio
 
 from mlxcel.actors.session_db import Limits, SessionDB, Table
+from mlxcel.runtime.messages import CancelReply, CancelResponse, SessionStoreInbox
 from mlxcel.runtime.settings import Settings
 from mlxcel.runtime.slot import OutputSlot
 
@@ -31,6 +36,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Job = Callable[[SessionDB], None]
 SESSION_DB = "sessions.sqlite3"
+# How long a cancel waits for the response's handler to end it and store it cancelled, so
+# that a GET right after the cancel's answer sees it.
+CANCEL_WAIT = 10.0
 
 
 class Running:
@@ -56,7 +64,8 @@ class SessionStore:
         self.path = path
         self.limits = limits
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.running: dict[str, Running] = {}
+        self._running: dict[str, Running] = {}
+        self._inbox_tx, self._inbox_rx = trio.open_memory_channel[SessionStoreInbox](16)
 
     def enabled(self, table: Table) -> bool:
         return self.limits[table].enabled
@@ -73,7 +82,13 @@ class SessionStore:
             await self.call(lambda db: None)
             log.info("session store at %s", self.path)
             task_status.started()
-            await trio.sleep_forever()
+            async with trio.open_nursery() as nursery:
+                async for message in self._inbox_rx:
+                    match message:
+                        case CancelResponse():
+                            self._cancel(nursery, message)
+                        case _:
+                            assert_never(message)
         finally:
             self._jobs.put(None)
             with trio.CancelScope(shield=True):
@@ -127,6 +142,48 @@ class SessionStore:
         self._jobs.put(job)
         await done.wait()
         return result[0].unwrap()
+
+    # --- responses being generated ---------------------------------------------------------
+
+    def begin_running(self, response_id: str, running: Running) -> None:
+        """A handler started generating this response: GET shows it, /cancel can stop it."""
+        self._running[response_id] = running
+
+    def end_running(self, response_id: str) -> None:
+        """Its handler is done with it (stored, if asked to). Idempotent."""
+        self._running.pop(response_id, None)
+
+    def running_snapshot(self, response_id: str) -> dict[str, Any] | None:
+        """The response as it stands now, if it is being generated."""
+        running = self._running.get(response_id)
+        return running.snapshot() if running is not None else None
+
+    def running_ids(self) -> tuple[str, ...]:
+        return tuple(self._running)
+
+    async def cancel_running(self, response_id: str) -> dict[str, Any] | None:
+        """Ask the store to stop this response; returns it as it ended (its handler had up to
+        ``CANCEL_WAIT`` seconds to store it), or None when none by that id was running.
+
+        Cancellation: the caller stops waiting; the cancel, once sent, still happens."""
+        reply = CancelReply(trio.Event())
+        await self._inbox_tx.send(CancelResponse(response_id, reply))
+        await reply.done.wait()
+        return reply.snapshot
+
+    def _cancel(self, nursery: trio.Nursery, message: CancelResponse) -> None:
+        running = self._running.get(message.response_id)
+        if running is None:
+            message.reply.done.set()
+            return
+        running.cancel()
+        nursery.start_soon(self._answer_cancel, running, message.reply)
+
+    async def _answer_cancel(self, running: Running, reply: CancelReply) -> None:
+        with trio.move_on_after(CANCEL_WAIT):
+            await running.done.wait()
+        reply.snapshot = running.snapshot()
+        reply.done.set()
 
     # --- typed calls -----------------------------------------------------------------------
 

@@ -87,8 +87,8 @@ async def count_tokens() -> Response:
     """The prompt's token count, rendered and encoded exactly as generation would."""
     ctx = server()
     req, _ = await _parse(ctx)
-    tokens = await trio.to_thread.run_sync(ctx.tokenizer.encode, req.generation)
-    return Response(json.dumps({"input_tokens": len(tokens)}), content_type="application/json")
+    n = await trio.to_thread.run_sync(ctx.pipeline.count_tokens, req.generation)
+    return Response(json.dumps({"input_tokens": n}), content_type="application/json")
 
 
 async def _collect(slot: OutputSlot) -> Collected:

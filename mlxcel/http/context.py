@@ -1,12 +1,17 @@
-"""What the HTTP handlers need from the running system, reached through the app."""
+"""What the HTTP handlers need from the running system, reached through the app.
+
+Handlers see the generation pipeline through ``Pipeline``, a narrow interface: submit, count
+tokens, frozen statistics, control messages. They never hold the scheduler or the tokenizer,
+so nothing in ``http/`` can read or change an actor's live state (an import contract in
+pyproject.toml keeps those modules out of ``http/``).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
-import trio
 from quart import current_app, request
 
 from mlxcel.actors.admission import Admission
@@ -14,29 +19,67 @@ from mlxcel.actors.audio.stt import SpeechToText
 from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import ModelInfo
-from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.session_store import SessionStore
 from mlxcel.actors.stream_sessions import StreamSessions
-from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime import json_input
 from mlxcel.runtime.errors import InvalidRequest, NotFound
-from mlxcel.runtime.messages import ForcedToolCall, GenerationRequest, SchedulerInbox
+from mlxcel.runtime.messages import (
+    ForcedToolCall,
+    GenerationRequest,
+    SchedulerControl,
+    SchedulerStatistics,
+)
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
+from mlxcel.runtime.slot import OutputSlot
 from mlxcel.runtime.system import LongLived
+
+
+class Pipeline(Protocol):
+    """What a handler may ask of the generation pipeline (``actors/pipeline.py``)."""
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new work is refused (503)."""
+        ...
+
+    @property
+    def reasons(self) -> bool:
+        """The chat template has thinking blocks."""
+        ...
+
+    def submit(self, request: GenerationRequest) -> OutputSlot:
+        """Admit a generation (a 503 when the queue is full, before any byte is sent); its
+        output arrives in the slot, and cancelling the slot aborts it."""
+        ...
+
+    def count_tokens(self, request: GenerationRequest) -> int:
+        """Prompt tokens, rendered and encoded exactly as generation will (blocking: call it
+        in a thread; thread-safe)."""
+        ...
+
+    def render(self, request: GenerationRequest) -> str:
+        """The exact text the model would read (the chat template applied)."""
+        ...
+
+    def statistics(self) -> SchedulerStatistics:
+        """A frozen copy of the scheduler's state, taken now."""
+        ...
+
+    async def control(self, message: SchedulerControl) -> None:
+        """Send the scheduler a control message (applied at the next step boundary)."""
+        ...
 
 
 @attrs.define
 class ServerContext:
     settings: Settings
-    admission: Admission
     info: ModelInfo
-    # Renders and encodes exactly as generation will (thread-safe; used by count routes).
-    tokenizer: TokenizerActor
-    # Read-only views (counts, cache stats) and the inbox for control messages.
-    scheduler: Scheduler
-    scheduler_tx: trio.MemorySendChannel[SchedulerInbox]
+    pipeline: Pipeline
+    # Only for realtime sessions, whose VoiceDeps still takes the actor; every other handler
+    # submits through ``pipeline``.
+    admission: Admission
     metrics: Metrics
     # The tool-call format in use (None: --tool-format none, tools are refused).
     tool_format: ToolFormat | None = None

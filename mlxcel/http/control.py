@@ -49,14 +49,14 @@ async def control() -> Response:
         raise InvalidRequest(
             f"unknown control action: expected one of {', '.join(ACTIONS)}", param="action"
         )
-    if ctx.tokenizer.reasoning is None:
+    if not ctx.pipeline.reasons:
         return _answer(False, "This model does not reason: its chat template has no thinking")
-    item = ctx.scheduler.running_request(completion_id)
-    if item is None or item.request.reasoning_control != key_scope(ctx.settings):
+    running = ctx.pipeline.statistics().running_request(completion_id)
+    if running is None or running.reasoning_control != key_scope(ctx.settings):
         return _answer(
             False,
             "No running completion with this id has reasoning control enabled "
             "(send it with reasoning_control: true)",
         )
-    await ctx.scheduler_tx.send(EndReasoning(completion_id))
+    await ctx.pipeline.control(EndReasoning(completion_id))
     return _answer(True)

@@ -21,9 +21,10 @@ import trio
 from numpy.typing import NDArray
 from quart import Blueprint, Response
 
-from mlxcel.actors.embedder import Embedder, EmbedderInfo
+from mlxcel.actors.embedder import Embedder
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.prompt_forms import encode_mixed, is_int, is_mixed
+from mlxcel.models.embedder_info import EmbedderInfo
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, NotFound, NotImplementedRoute
 from mlxcel.runtime.messages import EmbedInput

@@ -20,6 +20,6 @@ async def health() -> Response:
     ctx = server()
     if not ctx.ready:
         return error_response(Unavailable("Loading model"), "native")
-    if ctx.admission.draining:
+    if ctx.pipeline.draining:
         return error_response(ShuttingDown(), "native")
     return Response('{"status":"ok"}', content_type="application/json")

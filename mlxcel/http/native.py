@@ -96,7 +96,7 @@ async def apply_template() -> Response:
 @bp.get("/v1/cache/stats")
 async def cache_stats() -> Response:
     ctx = server()
-    s = ctx.scheduler.cache_stats
+    s = ctx.pipeline.statistics().cache
     lookups = s.hits + s.misses
     return _json(
         {
@@ -117,6 +117,6 @@ async def cache_reset() -> Response:
     ctx = server()
     require_generation(ctx.generation)  # no chat model: no prompt cache, no compute thread
     done = trio.Event()
-    await ctx.scheduler_tx.send(ResetCache(done))
+    await ctx.pipeline.control(ResetCache(done))
     await done.wait()
     return _json({"success": True})

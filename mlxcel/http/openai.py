@@ -96,7 +96,7 @@ async def start_generation(
             f"n must be at most {ctx.settings.parallel} (this server's --parallel)", param="n"
         )
     gen = slot_wire.resolve(gen, parallel=ctx.settings.parallel, n_keep=ctx.settings.n_keep)
-    slot = ctx.admission.submit(gen)
+    slot = ctx.pipeline.submit(gen)
     if progress:
         slot.track_progress()
     try:
@@ -268,9 +268,9 @@ async def chat_completions() -> Response:
 async def render_chat(body: dict[str, Any]) -> tuple[str, int]:
     """A chat request's prompt as the model will read it, and its length in tokens."""
     _, gen = chat_request(body, server().settings.sampling)
-    actor = server().tokenizer
-    text = await trio.to_thread.run_sync(actor.render, gen)
-    n = len(await trio.to_thread.run_sync(actor.encode, gen))
+    pipeline = server().pipeline
+    text = await trio.to_thread.run_sync(pipeline.render, gen)
+    n = await trio.to_thread.run_sync(pipeline.count_tokens, gen)
     return text, n
 
 

@@ -215,13 +215,12 @@ async def slots() -> Response:
     ctx = server()
     if not ctx.settings.slots_endpoint:
         return _gated("slots endpoint", "--slots")
-    items = ctx.scheduler.slot_items()
+    items = ctx.pipeline.statistics().slots
     if request.args.get("fail_on_no_slot") in ("1", "true") and all(items):
         return error_response(ServiceError("no slot available"), "native")
     debug = bool(os.environ.get("LLAMA_SERVER_SLOTS_DEBUG"))
     out = []
-    for i, held in enumerate(items):
-        item, choice = held if held is not None else (None, 0)
+    for i, item in enumerate(items):
         entry: dict[str, Any] = {
             "id": i,
             "n_ctx": ctx.info.context_length,
@@ -237,18 +236,18 @@ async def slots() -> Response:
         }
         if item is not None:
             entry["id_task"] = item.request.request_id
-            entry["n_prompt_tokens"] = len(item.prompt_tokens)
-            entry["n_prompt_tokens_cached"] = item.slot.cached_tokens
+            entry["n_prompt_tokens"] = item.prompt_tokens
+            entry["n_prompt_tokens_cached"] = item.cached_tokens
             # A request with n choices fills n slots, one per choice, with its own count.
-            entry["n_choice"] = choice
-            decoded = item.slot.choice_tokens(choice)
+            entry["n_choice"] = item.choice
+            decoded = item.decoded_tokens
             entry["next_token"] = {
                 "has_next_token": True,
                 "n_remain": item.max_tokens - decoded,
                 "n_decoded": decoded,
             }
             if debug:  # prompts are users' data: shown only when explicitly asked for
-                entry["prompt"] = ctx.tokenizer.render(item.request)
+                entry["prompt"] = ctx.pipeline.render(item.request)
         out.append(entry)
     return _json(out)
 
@@ -300,7 +299,7 @@ async def slot_action(slot_id: str) -> Response:
         if not slot_files.valid_filename(filename):
             raise InvalidRequest("Invalid filename", param="filename")
         path = ctx.settings.slot_save_path / str(filename)
-    if ctx.scheduler.slot_items()[slot] is not None:
+    if ctx.pipeline.statistics().slots[slot] is not None:
         return error_response(ServiceError("Requested slot is processing"), "native")
     tic = time.perf_counter()
     state = None
@@ -317,7 +316,7 @@ async def slot_action(slot_id: str) -> Response:
             raise InvalidRequest("Restored prompt does not fit in the slot context")
     reply = SlotReply(trio.Event())
     kind = cast(SlotKind, action)  # one of SLOT_ACTIONS, checked above
-    await ctx.scheduler_tx.send(SlotAction(kind, slot, reply, state))
+    await ctx.pipeline.control(SlotAction(kind, slot, reply, state))
     await reply.done.wait()
     if reply.error is not None:
         if action == "restore":

@@ -109,7 +109,7 @@ def _refusal() -> Response | None:
     if missing is not None:
         error = NotImplementedRoute(f"The realtime voice WebSocket needs {missing}.")
         return Response(json.dumps(envelope(error)), status=501, content_type="application/json")
-    if ctx.admission.draining:
+    if ctx.pipeline.draining:
         return error_response(ShuttingDown())
     protocol = websocket.args.get("protocol")
     if protocol not in (None, "openai", "voicechat"):
@@ -168,7 +168,7 @@ async def realtime() -> Response | None:
             model_id=ctx.model_id,
             vad_model=shared_model,
             vad_limiter=gate.vad_limiter,
-            count_tokens=lambda request: len(ctx.tokenizer.encode(request)),
+            count_tokens=ctx.pipeline.count_tokens,
             context_length=ctx.info.context_length,
         )
         session = RealtimeSession(_QuartTransport(), deps, dialect)

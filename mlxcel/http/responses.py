@@ -239,7 +239,7 @@ class _Turn:
         """Abort whatever is still running and leave the running registry. Idempotent."""
         self.slot.cancel()
         self.running.done.set()
-        self.store.running.pop(self.base["id"], None)
+        self.store.end_running(self.base["id"])
 
 
 @bp.post("/v1/responses")
@@ -277,7 +277,7 @@ async def create() -> Response:
         overflow.param = "input"  # Responses has no `messages`
         raise
     turn = _Turn(ctx, body, gen, slot, base, items, history, conv)
-    store.running[rid] = turn.running
+    store.begin_running(rid, turn.running)
     if body.stream:
         return sse.response(_stream(turn), turn.close)
     try:
@@ -314,10 +314,11 @@ def _truncated(
         max_output=gen.max_tokens,
     )
     starts = [i for i, item in enumerate(context) if _starts_turn(item)]
-    if not starts or len(ctx.tokenizer.encode(gen)) <= limit:
+    count = ctx.pipeline.count_tokens
+    if not starts or count(gen) <= limit:
         return gen
     first = truncation.first_kept(
-        len(starts), 0, lambda k: len(ctx.tokenizer.encode(build(context[starts[k] :]))), limit, 1.0
+        len(starts), 0, lambda k: count(build(context[starts[k] :])), limit, 1.0
     )
     log.info(
         "response %s: the model reads items %d.. of %d", gen.request_id, starts[first], len(context)
@@ -382,9 +383,9 @@ async def _stored(rid: str) -> dict[str, Any]:
 @bp.get("/v1/responses/<rid>")
 @bp.get("/responses/<rid>")
 async def retrieve(rid: str) -> Response:
-    running = store_of(server()).running.get(rid)
-    if running is not None:
-        return _json(running.snapshot())
+    snapshot = store_of(server()).running_snapshot(rid)
+    if snapshot is not None:
+        return _json(snapshot)
     if request.args.get("stream") in ("true", "1"):
         raise InvalidRequest("streaming a stored response again is not supported", param="stream")
     return _json((await _stored(rid))["response"])
@@ -404,14 +405,10 @@ async def delete(rid: str) -> Response:
 @bp.post("/responses/<rid>/cancel")
 async def cancel(rid: str) -> Response:
     store = store_of(server())
-    running = store.running.get(rid)
-    if running is not None:
-        running.cancel()
-        # Give the handler a moment to finish and store the cancelled response, so a GET
-        # right after this answer sees it.
-        with trio.move_on_after(10):
-            await running.done.wait()
-        snapshot = running.snapshot()
+    # A message to the response's owner, the store: it stops the generation and waits for
+    # the handler to store the cancelled response, so a GET right after this answer sees it.
+    snapshot = await store.cancel_running(rid)
+    if snapshot is not None:
         found = await store.get("responses", rid) if store.enabled("responses") else None
         return _json(found["response"] if found else {**snapshot, "status": "cancelled"})
     await _stored(rid)  # 400 with the store off, 404 when unknown
@@ -482,5 +479,5 @@ async def input_tokens() -> Response:
         ctx.settings.sampling,
         tokenizer=ctx.info.tokenizer,
     )
-    n = len(await trio.to_thread.run_sync(ctx.tokenizer.encode, gen))
+    n = await trio.to_thread.run_sync(ctx.pipeline.count_tokens, gen)
     return _json({"object": "response.input_tokens", "input_tokens": n})

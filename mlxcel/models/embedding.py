@@ -21,8 +21,8 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
-from mlxcel.actors.embedder import EmbedderInfo, Encoded
 from mlxcel.models import blas
+from mlxcel.models.embedder_info import EmbedderInfo, Encoded
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.resolve import ResolvedModel, resolve_model
 

@@ -27,7 +27,7 @@ import attrs
 
 from mlxcel.models.default import DEFAULT_MODEL_ID, default_gguf_path
 from mlxcel.models.errors import ModelNotFound
-from mlxcel.runtime.settings import default_cache_dir
+from mlxcel.paths import default_cache_dir
 
 __all__ = ["CONVERTER_VERSION", "ResolvedModel", "default_cache_dir", "resolve_model"]
 

@@ -15,7 +15,7 @@ import attrs
 if TYPE_CHECKING:
     import trio
 
-    from mlxcel.actors.embedder import EmbedReply
+    from mlxcel.runtime.reply import EmbedReply
     from mlxcel.runtime.slot import OutputSlot
 
 FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
@@ -286,7 +286,9 @@ class SlotAction:
     state: SlotState | None = None
 
 
-SchedulerInbox = Tokenized | ResetCache | EndReasoning | SlotAction
+# What HTTP may send the scheduler: control, never work (work comes through admission).
+SchedulerControl = ResetCache | EndReasoning | SlotAction
+SchedulerInbox = Tokenized | SchedulerControl
 
 
 @attrs.frozen
@@ -362,6 +364,42 @@ class CacheStats:
     # mlx's allocator keeps for reuse.
     mlx_active: int = 0
     mlx_cached: int = 0
+
+
+# --- scheduler -> http (statistics) -----------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class SlotStatistics:
+    """One busy slot (one choice of a running request), as it was when the copy was taken."""
+
+    request: GenerationRequest
+    # Which of the request's choices this slot decodes (a request with n choices fills n).
+    choice: int
+    prompt_tokens: int
+    cached_tokens: int
+    decoded_tokens: int
+    max_tokens: int
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerStatistics:
+    """The scheduler's state copied between two steps, for /slots, /metrics and control."""
+
+    running: int = 0
+    waiting: int = 0
+    # Batch rows decoding: one per choice (a request with n choices holds n).
+    rows: int = 0
+    # Per slot: what it decodes, or None when free.
+    slots: tuple[SlotStatistics | None, ...] = ()
+    cache: CacheStats = CacheStats()
+
+    def running_request(self, request_id: str) -> GenerationRequest | None:
+        """The request if it holds a slot (is in the batch, not waiting, not finished)."""
+        for slot in self.slots:
+            if slot is not None and slot.request.request_id == request_id:
+                return slot.request
+        return None
 
 
 # --- scheduler -> streamer --------------------------------------------------------------------
@@ -483,3 +521,26 @@ class Transcription:
     # Seconds of audio that were read.
     duration: float
     segments: tuple[Segment, ...] = ()
+
+
+# --- http -> session store --------------------------------------------------------------------
+
+
+@attrs.define
+class CancelReply:
+    """What the session store did for a CancelResponse; read once ``done`` is set."""
+
+    done: trio.Event
+    # The response as it stood once its handler had ended it (None: none by that id ran).
+    snapshot: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class CancelResponse:
+    """Stop the Responses response generating under this id (`/v1/responses/{id}/cancel`)."""
+
+    response_id: str
+    reply: CancelReply
+
+
+SessionStoreInbox = CancelResponse

@@ -1,8 +1,9 @@
 """Prometheus metrics: llama-server's `llamacpp:` families first, then `mlxcel_` ones.
 
 Counters and histograms are updated where the events happen (the scheduler per step, the
-streamer per token); gauges and the prompt-cache counters are read from live state at scrape
-time, so a scrape never waits for the compute thread. Each server has its own registry.
+streamer per token); gauges and the prompt-cache counters are read from a frozen snapshot of
+the scheduler taken at scrape time, so a scrape never waits for the compute thread. Each
+server has its own registry.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mlxcel.runtime.messages import CacheStats
+from mlxcel.runtime.messages import SchedulerStatistics
 
 # llama-server exposes no `_created` series; scrapers comparing the two should see the same set.
 disable_created_metrics()
@@ -34,19 +35,18 @@ class _Live(Collector):
     """Families computed at scrape time from callbacks into the running system."""
 
     def __init__(self) -> None:
-        self.running: Callable[[], int] = lambda: 0
-        self.rows: Callable[[], int] = lambda: 0
-        self.waiting: Callable[[], int] = lambda: 0
+        # Frozen snapshots, taken at scrape time (the scheduler's ``statistics``).
+        self.scheduler: Callable[[], SchedulerStatistics] = SchedulerStatistics
         self.queued: Callable[[], int] = lambda: 0
-        self.cache: Callable[[], CacheStats] = CacheStats
         self.blas_threads: Callable[[], int | None] = lambda: None
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.scheduler()
         yield GaugeMetricFamily(
-            "llamacpp:requests_processing", "Number of requests processing.", value=self.running()
+            "llamacpp:requests_processing", "Number of requests processing.", value=stats.running
         )
         yield GaugeMetricFamily(
-            "llamacpp:requests_deferred", "Number of requests deferred.", value=self.waiting()
+            "llamacpp:requests_deferred", "Number of requests deferred.", value=stats.waiting
         )
         yield GaugeMetricFamily(
             "mlxcel_queue_depth", "Requests admitted and waiting for a slot.", value=self.queued()
@@ -54,7 +54,7 @@ class _Live(Collector):
         yield GaugeMetricFamily(
             "mlxcel_batch_size",
             "Sequences (rows: one per choice) in the running batch.",
-            value=self.rows(),
+            value=stats.rows,
         )
         if (threads := self.blas_threads()) is not None:
             yield GaugeMetricFamily(
@@ -62,7 +62,7 @@ class _Live(Collector):
                 "OpenBLAS threads per matmul now (halved while realtime voice sessions are open).",
                 value=threads,
             )
-        s = self.cache()
+        s = stats.cache
         yield CounterMetricFamily(
             "mlxcel_prompt_cache_hits", "Prompt-cache lookups that reused KV.", value=s.hits
         )

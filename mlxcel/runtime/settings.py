@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import attrs
 
+from mlxcel.paths import default_cache_dir
 from mlxcel.runtime.messages import SamplingParams
-
-
-def default_cache_dir() -> Path:
-    """``$MLXCEL_CACHE_DIR``, else ``$XDG_CACHE_HOME/mlxcel``, else ``~/.cache/mlxcel``."""
-    if env := os.environ.get("MLXCEL_CACHE_DIR"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "mlxcel"
 
 
 @attrs.frozen(kw_only=True)

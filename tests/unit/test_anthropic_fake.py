@@ -16,6 +16,7 @@ import anthropic
 import httpx
 import trio
 
+from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.runtime.errors import InternalError
 from tests.unit.test_anthropic_wire import WEATHER, check_event_order
 from tests.unit.test_pipeline_fake import fake_server, scripted, wait_until
@@ -188,7 +189,9 @@ async def test_pings_while_silent_and_an_error_event_without_message_stop(
                     assert await lines.__anext__() == 'data: {"type":"ping"}'
                 if pings == 2:
                     break
-            ((item, _choice),) = [i for i in ctx.scheduler.slot_items() if i is not None]
+            assert isinstance(ctx.pipeline, LocalPipeline)  # the live slot, behind the interface
+            slots = ctx.pipeline.scheduler.slot_items()
+            ((item, _choice),) = [i for i in slots if i is not None]
             item.slot.fail(InternalError("Generation error: boom"))
             rest = [line async for line in lines if line]
     assert rest[-2:] == [

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlxcel.actors.embedder import EmbedderInfo
 from mlxcel.http.embeddings import normalize, parse_inputs, rank
+from mlxcel.models.embedder_info import EmbedderInfo
 from mlxcel.runtime.errors import InvalidRequest
 
 INFO = EmbedderInfo(

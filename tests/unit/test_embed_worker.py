@@ -11,7 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from mlxcel.actors.embedder import Embedder, EmbedderInfo, Encoded
+from mlxcel.actors.embedder import Embedder
+from mlxcel.models.embedder_info import EmbedderInfo, Encoded
 from mlxcel.runtime.errors import ServerBusy, Timeout
 from mlxcel.runtime.messages import EmbedInput
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from mlxcel.actors.model_runner.backend import ModelInfo
@@ -164,6 +165,31 @@ async def test_one_disconnect_aborts_only_that_request(smollm_tokenizer: Any) ->
             with trio.move_on_after(0.1):
                 await client.post("/v1/chat/completions", json=chat(max_tokens=100_000))
         assert results["r"].json()["usage"]["completion_tokens"] == 30
+
+
+async def test_statistics_are_a_frozen_copy_taken_between_steps(smollm_tokenizer: Any) -> None:
+    """/slots, /metrics and the control route read a copy of the scheduler: it says what ran
+    when it was taken, and stays so while the scheduler moves on."""
+    async with fake_server(smollm_tokenizer, step_delay=0.02, eos_after=None) as (
+        client,
+        backend,
+        ctx,
+    ):
+        body = chat(max_tokens=200, stream=True)
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            await wait_until(lambda: backend.steps > 3)
+            during = ctx.pipeline.statistics()
+            request_id = next(s for s in during.slots if s is not None).request.request_id
+        await wait_until(lambda: ctx.pipeline.statistics().running == 0)
+        after = ctx.pipeline.statistics()
+    (busy,) = [s for s in during.slots if s is not None]
+    assert during.running == 1 and during.rows == 1 and len(during.slots) == 4
+    assert busy.decoded_tokens > 0 and busy.max_tokens == 200 and busy.choice == 0
+    assert during.running_request(request_id) is busy.request
+    assert after.running_request(request_id) is None and not any(after.slots)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        during.running = 0  # type: ignore[misc]  # the point: it cannot be changed
 
 
 async def test_keepalive_comments_flow_during_a_long_prefill(smollm_tokenizer: Any) -> None:

@@ -18,6 +18,7 @@ import httpx
 import openai
 import trio
 
+from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.http.context import ServerContext
 from tests.unit.test_pipeline_fake import QWEN_TEMPLATE, fake_server, wait_until
 
@@ -48,14 +49,16 @@ async def server(
         tok, script=script, chat_template=QWEN_TEMPLATE, cache_dir=tmp_path, **kw
     ) as (client, backend, ctx):
         prompts: list[str] = []
-        render = ctx.tokenizer.render
+        assert isinstance(ctx.pipeline, LocalPipeline)
+        tokenizer = ctx.pipeline.tokenizer
+        render = tokenizer.render
 
         def recording(request: Any) -> str:
             text = render(request)
             prompts.append(text)
             return text
 
-        ctx.tokenizer.render = recording  # type: ignore[method-assign]
+        tokenizer.render = recording  # type: ignore[method-assign]
         sdk = openai.OpenAI(
             base_url=f"{str(client.base_url).rstrip('/')}/v1",
             api_key="x",
@@ -228,9 +231,9 @@ async def test_cancel_stops_an_in_flight_stream(smollm_tokenizer: Any, tmp_path:
     assert stored["status"] == "cancelled" and stored["output"][0]["content"][0]["text"]
 
 
-def store_running(ctx: ServerContext) -> dict[str, Any]:
+def store_running(ctx: ServerContext) -> tuple[str, ...]:
     assert ctx.session_store is not None
-    return ctx.session_store.running
+    return ctx.session_store.running_ids()
 
 
 async def test_disconnect_aborts_the_generation(smollm_tokenizer: Any, tmp_path: Path) -> None:

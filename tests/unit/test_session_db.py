@@ -1,4 +1,5 @@
-"""The session store's SQLite database: limits, TTL, restart, and a writer killed mid-write."""
+"""The session store's SQLite database: limits, TTL, restart, and a writer killed mid-write;
+and the actor's registry of running responses, which a cancel reaches by message."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import trio
+import trio.testing
 
 from mlxcel.actors.session_db import Limits, SessionDB, Table
-from mlxcel.actors.session_store import SessionStore
+from mlxcel.actors.session_store import Running, SessionStore
+from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -159,4 +163,40 @@ async def test_an_unwritable_location_falls_back_to_memory(tmp_path: Path) -> No
         assert store.path == ":memory:"
         assert await store.put("responses", "r", {"n": 1})
         assert await store.get("responses", "r") == {"n": 1}
+        nursery.cancel_scope.cancel()
+
+
+async def test_cancelling_a_running_response_is_a_message_its_owner_finishes() -> None:
+    """/cancel asks the store, which owns the running responses: it stops the generation,
+    waits for the response's handler to end it, and answers with the response as it ended.
+    A canceller that stops waiting changes nothing: the cancel it sent still happens."""
+    store = SessionStore(":memory:", limits())
+    slot = OutputSlot("resp_a", Reservation(None, None), AbortBox())
+    status = ["in_progress"]
+    running = Running(lambda: {"id": "resp_a", "status": status[0]}, slot)
+    answers: list[dict[str, Any] | None] = []
+
+    async def cancel() -> None:
+        answers.append(await store.cancel_running("resp_a"))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(store.run)
+        assert await store.cancel_running("resp_a") is None  # nothing runs under that id
+        store.begin_running("resp_a", running)
+        assert store.running_snapshot("resp_a") == {"id": "resp_a", "status": "in_progress"}
+        with trio.CancelScope() as leaving:
+            async with trio.open_nursery() as canceller:
+                canceller.start_soon(cancel)
+                await trio.testing.wait_all_tasks_blocked()
+                leaving.cancel()
+        assert running.cancel_requested and slot.cancelled
+        nursery.start_soon(cancel)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answers == []  # the store waits for the response's own handler to end it
+        status[0] = "cancelled"
+        running.done.set()
+        store.end_running("resp_a")
+        await trio.testing.wait_all_tasks_blocked()
+        assert answers == [{"id": "resp_a", "status": "cancelled"}]
+        assert store.running_ids() == () and store.running_snapshot("resp_a") is None
         nursery.cancel_scope.cancel()

@@ -187,7 +187,7 @@ def default_model_path() -> str:
     # In a subprocess so this (light) client never imports mlx itself.
     code = (
         "from mlxcel.models.resolve import resolve_model;"
-        "from mlxcel.runtime.settings import default_cache_dir;"
+        "from mlxcel.paths import default_cache_dir;"
         "print(resolve_model(None, default_cache_dir()).path)"
     )
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
