@@ -314,6 +314,9 @@ class ToolPlan:
     parse_tools: bool = False
     single_call: bool = False
     forced: ForcedToolCall | None = None
+    # disable_parallel_tool_use as sent, negated (None: not sent). As OpenAI's
+    # parallel_tool_calls: the generic format writes a list of calls only when it is True.
+    parallel: bool | None = None
 
 
 def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> ToolPlan:
@@ -325,8 +328,9 @@ def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> ToolPl
             "tool_choice.type: must be 'auto', 'any', 'none' or 'tool'", param="tool_choice"
         )
     assert isinstance(value, dict)
-    single = value.get("disable_parallel_tool_use", False)
-    if not isinstance(single, bool):
+    sent = value.get("disable_parallel_tool_use")
+    single = bool(sent)
+    if sent is not None and not isinstance(sent, bool):
         raise InvalidRequest(
             "tool_choice.disable_parallel_tool_use: must be a boolean", param="tool_choice"
         )
@@ -337,8 +341,9 @@ def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> ToolPl
             return ToolPlan()
         raise InvalidRequest(f"tool_choice: type {kind!r} needs tools", param="tool_choice")
     names = tuple(str(t["function"]["name"]) for t in tools)
+    parallel = None if sent is None else not sent
     if kind == "auto":
-        return ToolPlan(parse_tools=True, single_call=single)
+        return ToolPlan(parse_tools=True, single_call=single, parallel=parallel)
     if kind == "tool":
         name = value.get("name")
         if name not in names:
@@ -346,7 +351,7 @@ def _tool_choice(value: Any, tools: tuple[dict[str, Any], ...] | None) -> ToolPl
                 f"tool_choice.name: {name!r} is not one of the tools", param="tool_choice.name"
             )
         names = (name,)
-    return ToolPlan(True, single, ForcedToolCall(names=names, parallel=not single))
+    return ToolPlan(True, single, ForcedToolCall(names=names, parallel=not single), parallel)
 
 
 def _thinking(value: Any) -> tuple[dict[str, object], int | None, Thinking]:
@@ -483,6 +488,7 @@ def messages_request(
         cache_key=_cache_key(body),
         parse_tools=plan.parse_tools,
         single_tool_call=plan.single_call,
+        parallel_tool_calls=plan.parallel,
         constraint=constraint,
         thinking_budget=budget,
     )

@@ -212,6 +212,32 @@ def test_anthropic_any_yields_tool_use(claude: anthropic.Anthropic) -> None:
     jsonschema.validate(uses[0].input, SCHEMAS[uses[0].name])
 
 
+def test_anthropic_parallel_calls_when_asked_for(claude: anthropic.Anthropic) -> None:
+    """disable_parallel_tool_use sent as false opens the list form (as OpenAI's
+    parallel_tool_calls: true does); unsent or true, one call."""
+    two = [{"role": "user", "content": "What is the weather in Paris and in London?"}]
+
+    def uses(choice: dict[str, Any]) -> list[Any]:
+        r = claude.messages.create(
+            model="default",
+            max_tokens=120,
+            extra_body={"temperature": 0},
+            messages=two,
+            tools=CLAUDE_TOOLS,
+            tool_choice=choice,  # type: ignore[arg-type]  # a TypedDict union
+        )
+        assert r.stop_reason == "tool_use"
+        blocks = [b for b in r.content if b.type == "tool_use"]
+        for b in blocks:
+            jsonschema.validate(b.input, SCHEMAS[b.name])
+        return blocks
+
+    many = uses({"type": "any", "disable_parallel_tool_use": False})
+    assert len(many) >= 2 and len({b.id for b in many}) == len(many)
+    assert len(uses({"type": "any"})) == 1
+    assert len(uses({"type": "any", "disable_parallel_tool_use": True})) == 1
+
+
 def test_anthropic_streamed_tool_use_and_its_result(claude: anthropic.Anthropic) -> None:
     with claude.messages.stream(
         model="default",
