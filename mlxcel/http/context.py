@@ -8,6 +8,8 @@ pyproject.toml keeps those modules out of ``http/``).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import time
 from typing import Any, Protocol
 
@@ -109,6 +111,26 @@ class ServerContext:
     @property
     def model_id(self) -> str:
         return self.info.model_id
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: which configuration produced an answer, for clients
+        that compare seeded answers. It changes with what changes the numbers: our and mlx's
+        versions, the model and its precision, the BLAS and --batch-invariant."""
+        import mlx.core as mx
+
+        from mlxcel import __version__
+        from mlxcel.models.blas import preload_blas
+
+        parts = (
+            __version__,
+            mx.__version__,
+            self.info.description,
+            str(self.info.path),
+            preload_blas().name,
+            str(self.settings.batch_invariant),
+        )
+        return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
 
     def check_model(self, requested: str | None) -> str:
         """The served id for a request's `model` field. Any name is served (llama-server's

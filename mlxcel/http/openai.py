@@ -203,7 +203,7 @@ async def chat_completions() -> Response:
     alias = ctx.settings.reasoning_alias_field != "none"
     greedy = gen.sampling.temperature == 0
     if body.stream:
-        base = {**base, "object": "chat.completion.chunk", "system_fingerprint": None}
+        base = {**base, "object": "chat.completion.chunk", "system_fingerprint": ctx.fingerprint}
 
         def finish_choice(reason: str) -> dict[str, Any]:
             return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -257,7 +257,7 @@ async def chat_completions() -> Response:
     return _json(
         {
             **base,
-            "system_fingerprint": None,
+            "system_fingerprint": ctx.fingerprint,
             "choices": choices,
             "usage": _usage(slot, ctx),
             "timings": timings(slot),
@@ -299,6 +299,7 @@ async def completions() -> Response:
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
+        "system_fingerprint": ctx.fingerprint,
     }
     tok = ctx.info.tokenizer
     wants_logprobs = gen.logprobs is not None

@@ -100,7 +100,16 @@ PROMPTS = (
 )
 
 
-def test_batch_invariant_mode_gives_the_solo_text_over_the_whole_vocabulary() -> None:
+def fingerprint(client: openai.OpenAI) -> str | None:
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=1
+    )
+    return r.system_fingerprint
+
+
+def test_batch_invariant_mode_gives_the_solo_text_over_the_whole_vocabulary(
+    client: openai.OpenAI,
+) -> None:
     """--batch-invariant: with nothing cut from the distribution (top_k 0), where a near-tie in
     the far tail follows the last bits of the logits, each seeded answer is still its solo
     answer, with neighbours joining mid-way and the same prompt already in the prompt cache."""
@@ -108,17 +117,21 @@ def test_batch_invariant_mode_gives_the_solo_text_over_the_whole_vocabulary() ->
     try:
         with openai.OpenAI(
             base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300
-        ) as client:
+        ) as invariant:
             seeds = [(1300 + i, PROMPTS[i % len(PROMPTS)]) for i in range(6)]
-            solo = {seed: ask(client, seed, prompt, top_k=0) for seed, prompt in seeds}
+            solo = {seed: ask(invariant, seed, prompt, top_k=0) for seed, prompt in seeds}
             assert len(set(solo.values())) > 1
             specs: list[tuple[int | None, str, float]] = []
             for i, (seed, prompt) in enumerate(seeds):
                 specs.append((seed, prompt, 0.3 * i))
                 specs.append((None, PROMPTS[(i + 1) % len(PROMPTS)], 0.3 * i + 0.15))
-            answers = together(client, specs, top_k=0)
+            answers = together(invariant, specs, top_k=0)
             for (seed, _, _), text in zip(specs, answers, strict=True):
                 if seed is not None:
                     assert text == solo[seed], seed
+            # system_fingerprint names the configuration: stable, and not the default mode's.
+            mode = fingerprint(invariant)
+            assert mode is not None and mode.startswith("fp_") and mode == fingerprint(invariant)
+            assert fingerprint(client) not in (None, mode)
     finally:
         server.stop()
