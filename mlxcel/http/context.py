@@ -117,14 +117,14 @@ class ServerContext:
         """OpenAI's `system_fingerprint`: which configuration produced an answer, for clients
         that compare seeded answers. It changes with what changes the numbers: our and mlx's
         versions, the model and its precision, the BLAS and --batch-invariant."""
-        import mlx.core as mx
+        from importlib.metadata import version
 
         from mlxcel import __version__
         from mlxcel.models.blas import preload_blas
 
         parts = (
             __version__,
-            mx.__version__,
+            version("mlx"),
             self.info.description,
             str(self.info.path),
             preload_blas().name,
