@@ -40,9 +40,10 @@ import trio
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.actors.realtime import events as ev
+from mlxcel.actors.realtime.answer import fit_context
 from mlxcel.actors.realtime.audio import Resampler
 from mlxcel.actors.realtime.config import SessionConfig, new_id
-from mlxcel.actors.realtime.machine import SessionMachine, fit_context
+from mlxcel.actors.realtime.machine import SessionMachine
 from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
 from mlxcel.actors.realtime.vad import SileroModel, VadStream
 from mlxcel.runtime.errors import MlxcelError

@@ -12,12 +12,9 @@ import numpy as np
 import pytest
 
 from mlxcel.actors.realtime import events as ev
+from mlxcel.actors.realtime.answer import SPEAK_AHEAD_SECONDS
 from mlxcel.actors.realtime.config import SessionConfig, SessionPatch, TurnDetection
-from mlxcel.actors.realtime.machine import (
-    MAX_PENDING_JOBS,
-    SPEAK_AHEAD_SECONDS,
-    SessionMachine,
-)
+from mlxcel.actors.realtime.machine import MAX_PENDING_JOBS, SessionMachine
 from mlxcel.actors.realtime.vad import VadEvent
 from mlxcel.runtime.messages import SamplingParams
 

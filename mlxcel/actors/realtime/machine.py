@@ -4,11 +4,11 @@
 configuration handshake and its deadlines, the input buffer, turns (server VAD or manual
 commits), early transcription, the order of turns and answers (one at a time, at most
 ``MAX_PENDING_JOBS`` waiting), barge-in (the answer is cancelled, its unsent audio purged, and
-the history keeps what the user heard), the conversation and its truncation, splitting an
-answer into pieces to speak and when to speak each. It does no I/O, reads no clock (times come
-in the inputs) and imports nothing of Trio, so it is tested by feeding it inputs
-(tests/unit/test_realtime_machine.py). ``realtime_voice.py`` runs the tasks that read, write,
-detect, transcribe, generate and speak, as Hypercorn runs h11.
+the history keeps what the user heard), the conversation and its truncation; an answer's own
+steps (pieces to speak and when, audio deltas, what was heard) are in ``answer.py``. It does no
+I/O, reads no clock (times come in the inputs) and imports nothing of Trio, so it is tested by
+feeding it inputs (tests/unit/test_realtime_machine.py). ``realtime_voice.py`` runs the tasks
+that read, write, detect, transcribe, generate and speak, as Hypercorn runs h11.
 
 A job (a committed turn, ``response.create``, ``conversation.item.create``) runs until its task
 reports its end, so an answer cancelled by a new turn has unwound (its generation aborted)
@@ -26,6 +26,7 @@ import attrs
 import numpy as np
 
 from mlxcel.actors.realtime import events as ev
+from mlxcel.actors.realtime.answer import Answer, prompt
 from mlxcel.actors.realtime.audio import STT_RATE, InputBuffer, Resampler
 from mlxcel.actors.realtime.config import (
     CONFIGURE_TIMEOUT_SECONDS,
@@ -35,10 +36,8 @@ from mlxcel.actors.realtime.config import (
     SessionPatch,
     new_id,
 )
-from mlxcel.actors.realtime.sentences import SentenceSplitter
 from mlxcel.actors.realtime.vad import WINDOW, VadEvent
 from mlxcel.runtime.messages import ChatPrompt, GenerationRequest, SamplingParams
-from mlxcel.runtime.truncation import Truncation, budget, first_kept
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +45,6 @@ MAX_PENDING_JOBS = 4
 # A memory bound on the conversation (a 600 s session at one turn every 5 s holds 240 items).
 # Past it the oldest quarter goes at once, so the prompt's start stays put between drops.
 MAX_HISTORY_ITEMS = 256
-# Longest audio delta sent in one event, in seconds (finer pieces start playback sooner and
-# let barge-in drop more of what was not heard).
-AUDIO_DELTA_SECONDS = 0.25
-# How far ahead of the client's playback an answer is spoken. Speech costs ~0.17 s of CPU per
-# second of audio here, and a barge-in throws away whatever was spoken but not yet heard, so
-# an answer is synthesized only this far ahead: enough to ride out a busy moment, while the
-# CPU goes to turns that are waiting for their first word.
-SPEAK_AHEAD_SECONDS = 2.5
-# Speak the words there are (not the whole sentence) when the client's audio runs out sooner.
-HURRY_SECONDS = 1.5
 # Client events a session answers before it is configured.
 _BEFORE_CONFIGURE = frozenset(
     {"session.update", "session.ping", "session.cancel", "response.cancel"}
@@ -82,21 +71,6 @@ class Turn:
     audio: np.ndarray
     respond: bool
     early: Early | None = None
-
-
-@attrs.define(eq=False)
-class Answer:
-    """An answer's machine-side state, from its start until its task ends."""
-
-    state: ResponseState
-    job: ev.CreateResponse
-    request: GenerationRequest
-    items: list[ev.Item]  # the conversation when the context was fitted
-    splitter: SentenceSplitter = attrs.field(factory=SentenceSplitter)
-    # Pieces whose first audio is queued for the client and not yet written (purgeable).
-    unsent: set[int] = attrs.field(factory=set)
-    piece: str = ""  # the piece being spoken
-    piece_index: int | None = None  # its index in spoken_pieces, once its audio went out
 
 
 Job = Turn | ev.CreateResponse | ev.CreateItem
@@ -177,32 +151,21 @@ class SessionMachine:
                 self._early_done(token, text)
             case ev.Transcribed(item_id, text, error):
                 self._transcribed(item_id, text, error)
-            case ev.ContextFitted(rid, cut):
-                self._context_fitted(rid, cut)
-            case ev.Accepted(rid, tokens):
-                if (a := self._live(rid)) is not None:
-                    a.state.input_tokens = tokens
-            case ev.Generated(rid, text, clock):
-                self._generated(rid, text, clock)
-            case ev.Usage(rid, tokens):
-                if (a := self._live(rid)) is not None:
-                    a.state.output_tokens = tokens
-            case ev.GenerationDone(rid):
-                if (a := self._live(rid)) is not None and a.state.output_audio:
-                    if rest := a.splitter.flush():
-                        self._speak(a, rest)
-            case ev.SpeakNext(rid, piece, clock):
-                self._speak_next(rid, piece, clock)
-            case ev.Synthesized(rid, pcm, clock):
-                self._synthesized(rid, pcm, clock)
-            case ev.PieceDone(rid):
-                if (a := self._live(rid)) is not None:
-                    a.state.pieces_pending -= 1
             case ev.ResponseEnded():
                 self._response_ended(event)
-            case ev.Written(rid, piece):
-                if (a := self._live(rid)) is not None:
-                    a.unsent.discard(piece)
+            case (
+                ev.ContextFitted()
+                | ev.Accepted()
+                | ev.Generated()
+                | ev.Usage()
+                | ev.GenerationDone()
+                | ev.SpeakNext()
+                | ev.Synthesized()
+                | ev.PieceDone()
+                | ev.Written()
+            ):
+                if (a := self._live(event.response_id)) is not None:
+                    self._answering(event, a)
             case ev.ShutDown():
                 self._cancel_response("server_shutting_down")
                 self._error("server_shutting_down", "The server is shutting down.")
@@ -283,17 +246,15 @@ class SessionMachine:
                 self._queue(message)
 
     def _refused(self, r: ev.Refused) -> None:
-        """The error a client event that could not be parsed gets: the one it would have got
-        had its fields been fine, if the session's state refuses it first."""
-        code = r.code
+        """The error a client event that could not be parsed gets: the one its state gives
+        first (as for a well-formed event), else its own."""
         if r.event and r.kind == "session.update" and self._needs_configure:
             if self.configured:
-                code, message = "session_initialization_failed", "the session is already configured"
-                raise ProtocolError(message, code=code)
-            code = "session_initialization_failed"
-        elif r.event and r.kind not in _BEFORE_CONFIGURE and not self.configured:
+                self._update(SessionPatch())  # refuses a second configuration
+            raise ProtocolError(r.message, code="session_initialization_failed", param=r.param)
+        if r.event and r.kind not in _BEFORE_CONFIGURE and not self.configured:
             raise ProtocolError("send session.update before audio")
-        raise ProtocolError(r.message, code=code, param=r.param)
+        raise ProtocolError(r.message, code=r.code, param=r.param)
 
     def _update(self, patch: SessionPatch) -> None:
         first = not self.configured
@@ -532,9 +493,9 @@ class SessionMachine:
             # Someone is waiting in silence: the high lane, which also skips the join window.
             priority=0,
         )
-        a = Answer(r, job, request, list(self.history))
+        a = Answer(r, job, request, list(self.history), cfg.output_rate)
         self._answer = self._active = a
-        self._send(ev.ResponseCreated(_copy(r)))
+        self._send(ev.ResponseCreated(a.snapshot()))
         self._do(
             ev.StartResponse(
                 r.id,
@@ -550,72 +511,46 @@ class SessionMachine:
     def _live(self, response_id: str) -> Answer | None:
         """The answer in progress, if it is this one (news of a cancelled one is dropped)."""
         a = self._active
-        return a if a is not None and a.state.id == response_id else None
+        return a if a is not None and a.id == response_id else None
 
-    def _context_fitted(self, response_id: str, cut: int) -> None:
-        if (a := self._live(response_id)) is None:
-            return
-        if cut != self.context_from and a.items == self.history:
-            log.info(
-                "realtime %s: the model now reads items %d.. of %d", self.id, cut, len(a.items)
-            )
-            self.context_from = cut
-        messages = self.messages(a.job.instructions)
-        self._do(
-            ev.Submit(response_id, attrs.evolve(a.request, prompt=ChatPrompt(messages=messages)))
-        )
-
-    def _generated(self, response_id: str, text: str, clock: float) -> None:
-        if (a := self._live(response_id)) is None:
-            return
-        r = a.state
-        r.text += text
-        self._send(ev.TextDelta(_copy(r), text), response_id=r.id)
-        if r.output_audio:
-            hurry = starving(r, self.cfg.output_rate, clock)
-            for piece in a.splitter.feed(text, hurry=hurry):
-                self._speak(a, piece)
-
-    def _speak(self, a: Answer, piece: str) -> None:
-        a.state.pieces_pending += 1
-        self._do(ev.Speak(a.state.id, piece))
-
-    def _speak_next(self, response_id: str, piece: str, clock: float) -> None:
-        if (a := self._live(response_id)) is None:
-            return
-        a.piece, a.piece_index = piece, None
-        # The TTS worker serves the earliest deadline first: the first piece is wanted now;
-        # each later one when the client will have played what came before it.
-        deadline = a.state.playback_end(self.cfg.output_rate)
-        wait = 0.0 if deadline is None else max(0.0, deadline - SPEAK_AHEAD_SECONDS - clock)
-        self._do(ev.Synthesize(response_id, piece, wait, deadline, self.cfg.voice, self.cfg.speed))
-
-    def _synthesized(self, response_id: str, pcm: np.ndarray, clock: float) -> None:
-        if (a := self._live(response_id)) is None:
-            return
-        r = a.state
-        step = int(AUDIO_DELTA_SECONDS * self.cfg.output_rate)
-        for start in range(0, pcm.size, step):
-            part = pcm[start : start + step]
-            first = a.piece_index is None
-            if r.playback_from is None:
-                r.playback_from = clock
-            if a.piece_index is None:
-                # The piece counts as heard from its first audio on.
-                a.piece_index = len(r.spoken_pieces)
-                r.spoken_pieces.append(a.piece)
-                a.unsent.add(a.piece_index)
-                self._send(ev.Spoken(_copy(r), a.piece), response_id=r.id)
-            self._send(
-                ev.AudioDelta(_copy(r), part.tobytes()),
-                response_id=r.id,
-                first_of_piece=a.piece_index if first else None,
-            )
-            r.audio_samples += part.size
+    def _answering(self, event: ev.Input, a: Answer) -> None:
+        """News of the answer in progress."""
+        match event:
+            case ev.ContextFitted(_, cut):
+                if cut != self.context_from and a.items == self.history:
+                    log.info(
+                        "realtime %s: the model now reads items %d.. of %d",
+                        self.id,
+                        cut,
+                        len(a.items),
+                    )
+                    self.context_from = cut
+                chat = ChatPrompt(messages=self.messages(a.job.instructions))
+                self._do(ev.Submit(a.id, attrs.evolve(a.request, prompt=chat)))
+            case ev.Accepted(_, tokens):
+                a.state.input_tokens = tokens
+            case ev.Generated(_, text, clock):
+                pieces = a.generated(text, clock)
+                self._send(ev.TextDelta(a.snapshot(), text), response_id=a.id)
+                self._actions += [ev.Speak(a.id, piece) for piece in pieces]
+            case ev.Usage(_, tokens):
+                a.state.output_tokens = tokens
+            case ev.GenerationDone():
+                self._actions += [ev.Speak(a.id, piece) for piece in a.flush()]
+            case ev.SpeakNext(_, piece, clock):
+                wait, deadline = a.pace(piece, clock)
+                self._do(ev.Synthesize(a.id, piece, wait, deadline, self.cfg.voice, self.cfg.speed))
+            case ev.Synthesized(_, pcm, clock):
+                for send in a.synthesized(pcm, clock):
+                    self._send(send.event, response_id=a.id, first_of_piece=send.first_of_piece)
+            case ev.PieceDone():
+                a.state.pieces_pending -= 1
+            case ev.Written(_, piece):
+                a.unsent.discard(piece)
 
     def _response_ended(self, ended: ev.ResponseEnded) -> None:
         a = self._answer
-        if a is None or a.state.id != ended.response_id:
+        if a is None or a.id != ended.response_id:
             return
         r = a.state
         if self._active is a:
@@ -636,13 +571,10 @@ class SessionMachine:
         """Stop the running answer now: its unsent audio is dropped and its end is reported
         before anything else the session sends (so a close right after still carries it)."""
         if (a := self._active) is not None:
-            r = a.state
-            r.status, r.reason = "cancelled", reason
-            self._do(ev.Purge(r.id))
-            if a.unsent:
-                r.spoken_pieces = r.spoken_pieces[: min(a.unsent)]
+            a.cancel(reason)
+            self._do(ev.Purge(a.id))
             self._end_response(a)
-            self._do(ev.CancelGeneration(r.id))
+            self._do(ev.CancelGeneration(a.id))
         elif always_report:
             r = ResponseState(self._ids("resp"), self._ids("item"), False, status="cancelled")
             r.reason = reason
@@ -654,67 +586,7 @@ class SessionMachine:
         r = a.state
         if r.heard:
             self.remember(ev.Item(r.item_id, "assistant", r.heard))
-        self._send(ev.ResponseDone(_copy(r)))
+        self._send(ev.ResponseDone(a.snapshot()))
 
 
-def _copy(r: ResponseState) -> ResponseState:
-    return attrs.evolve(r, spoken_pieces=list(r.spoken_pieces))
-
-
-def prompt(system: str, items: list[ev.Item]) -> tuple[dict[str, object], ...]:
-    msgs: list[dict[str, object]] = [{"role": "system", "content": system}] if system else []
-    msgs += [{"role": i.role, "content": i.text} for i in items]
-    return tuple(msgs)
-
-
-def starving(r: ResponseState, out_rate: int, clock: float) -> bool:
-    """Will the client run out of this answer's audio soon, with nothing more on the way?
-    Then the text-to-speech takes whatever whole words there are rather than waiting for the
-    sentence to end (a gap in a spoken answer is worse than a phrase break)."""
-    runs_dry = r.playback_end(out_rate)
-    if runs_dry is None or r.pieces_pending > 0:
-        return False
-    return runs_dry - clock < HURRY_SECONDS
-
-
-def fit_context(
-    count: Callable[[GenerationRequest], int] | None,
-    context_length: int,
-    start: ev.StartResponse,
-) -> int:
-    """Where the cut goes for this answer's prompt (runtime/truncation.py). Blocking (run it
-    in a thread): it encodes the prompt once, and ~log2(items) more times when it cuts."""
-    truncation: Truncation | None = start.truncation
-    if count is None or truncation is None or not context_length:
-        return start.context_from
-    items, system, request = list(start.items), start.system, start.request
-
-    def tokens(k: int) -> int:
-        chat = ChatPrompt(messages=prompt(system, items[k:]))
-        return count(attrs.evolve(request, prompt=chat))
-
-    # No instructions: nothing precedes the conversation (a prompt of no messages cannot
-    # be rendered, and every answer of such a session failed).
-    base = tokens(len(items)) if system else 0
-    limit = budget(
-        truncation, context=context_length, instructions=base, max_output=request.max_tokens
-    )
-    return first_kept(
-        len(items),
-        start.context_from,
-        lambda k: tokens(k) - base,
-        limit,
-        truncation.retention_ratio,
-    )
-
-
-__all__ = [
-    "AUDIO_DELTA_SECONDS",
-    "MAX_HISTORY_ITEMS",
-    "MAX_PENDING_JOBS",
-    "SPEAK_AHEAD_SECONDS",
-    "SessionMachine",
-    "fit_context",
-    "prompt",
-    "starving",
-]
+__all__ = ["MAX_HISTORY_ITEMS", "MAX_PENDING_JOBS", "SessionMachine"]
