@@ -5,6 +5,8 @@ machine tells them (and the client) next."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -422,3 +424,13 @@ def test_jobs_run_one_at_a_time_and_only_so_many_wait() -> None:
     assert kinds(out) == ["ResponseDone", "UserItem", "ResponseCreated", "StartResponse"]
     assert sent(out)[1] == ev.UserItem("item_x", None, "typed")
     assert only(out, ev.StartResponse).items == (item,)
+
+
+def test_the_machine_needs_no_trio_and_no_server() -> None:
+    code = (
+        "import sys, mlxcel.actors.realtime.machine, mlxcel.actors.realtime.answer; "
+        "print(sorted(m for m in ('trio', 'quart', 'hypercorn', 'mlxcel.http') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
