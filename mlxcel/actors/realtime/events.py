@@ -1,16 +1,21 @@
 """What goes in and out of a realtime session's state machine (``machine.py``).
 
-Three groups, all plain frozen data:
+Four groups, all plain attrs data:
 
 - **client messages**: what ``http/realtime_wire.py`` parses a client event into, in either
   vocabulary (the session never sees JSON);
 - **inputs**: a client message with the time it arrived, and what the session's tasks report
   back (speech detected, a transcript, generated text, synthesized audio, an answer's end);
-- **actions**: what the machine asks its tasks to do, ``Send`` among them, whose ``ServerEvent``
-  ``http/`` renders into the session's vocabulary.
+- **server events**: what the client is told, which ``http/`` renders in the session's
+  vocabulary;
+- **actions**: what the machine asks its tasks to do, ``Send`` (a server event) among them.
 
 Times are values in the inputs: ``now`` is Trio's clock (session deadlines), ``clock`` the
 speech workers' clock (``AudioWorker.now()``: playback and synthesis deadlines).
+
+This is one session's own protocol with its I/O shell, as h11's events are, so it lives here
+and not in ``runtime/messages.py`` (which would then need the session's config and response
+types).
 """
 
 from __future__ import annotations
