@@ -21,12 +21,13 @@ import trio
 from quart import Blueprint, Response, current_app, websocket
 
 from mlxcel.actors.realtime.config import new_id
-from mlxcel.actors.realtime.openai_events import OpenAIRealtime
-from mlxcel.actors.realtime.protocol import VoiceChat
 from mlxcel.actors.realtime.vad import shared_model
 from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope, error_response
+from mlxcel.http.realtime_openai import OpenAIRealtime
+from mlxcel.http.realtime_voicechat import VoiceChat
+from mlxcel.http.realtime_wire import RealtimeWire, Vocabulary
 from mlxcel.http.security import UNAUTHORIZED, key_ok
 from mlxcel.models import blas
 from mlxcel.runtime.errors import (
@@ -118,7 +119,7 @@ def _refusal() -> Response | None:
     return None
 
 
-class _QuartTransport:
+class _QuartSocket:
     async def receive(self) -> str | bytes:
         message: str | bytes = await websocket.receive()
         return message
@@ -159,7 +160,9 @@ async def realtime() -> Response | None:
         protocol = websocket.args.get("protocol") or (
             "openai" if "model" in websocket.args else "voicechat"
         )
-        dialect = OpenAIRealtime() if protocol == "openai" else VoiceChat(ctx.tts.sample_rate)
+        dialect: Vocabulary = (
+            OpenAIRealtime() if protocol == "openai" else VoiceChat(ctx.tts.sample_rate)
+        )
         deps = VoiceDeps(
             admission=ctx.admission,
             stt=ctx.stt,
@@ -171,7 +174,7 @@ async def realtime() -> Response | None:
             count_tokens=ctx.pipeline.count_tokens,
             context_length=ctx.info.context_length,
         )
-        session = RealtimeSession(_QuartTransport(), deps, dialect)
+        session = RealtimeSession(RealtimeWire(_QuartSocket(), dialect), deps)
         log.info("realtime %s opened (%s)", session.id, dialect.name)
         # While a voice session is open, its speech models (VAD every frame, Whisper, Piper)
         # run next to the chat model: OpenBLAS on half its threads leaves them the other

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 
 from mlxcel.actors.realtime.config import ProtocolError, SessionConfig
-from mlxcel.actors.realtime.openai_events import OpenAIRealtime
-from mlxcel.actors.realtime.protocol import VoiceChat, truncation_wire
+from mlxcel.http.realtime_openai import OpenAIRealtime
+from mlxcel.http.realtime_voicechat import VoiceChat, truncation_wire
 from mlxcel.runtime.truncation import Truncation, budget, first_kept
 
 

@@ -10,11 +10,11 @@ import pytest
 
 from mlxcel.actors.realtime.audio import AudioFormatError, InputBuffer, decode_pcm16, resample
 from mlxcel.actors.realtime.config import ProtocolError
-from mlxcel.actors.realtime.openai_events import OpenAIRealtime
 from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
-from mlxcel.actors.realtime.protocol import VoiceChat
 from mlxcel.actors.realtime.sentences import SentenceSplitter
 from mlxcel.actors.realtime.vad import VadStream, shared_model
+from mlxcel.http.realtime_openai import OpenAIRealtime
+from mlxcel.http.realtime_voicechat import VoiceChat
 from tests.support.realtime import silence, spoken
 
 

@@ -8,9 +8,12 @@ from typing import Any
 
 import trio
 
-from mlxcel.actors.realtime.protocol import VoiceChat
+from mlxcel.actors.realtime.events import Item
+from mlxcel.actors.realtime.machine import MAX_HISTORY_ITEMS
 from mlxcel.actors.realtime.vad import shared_model
-from mlxcel.actors.realtime_voice import MAX_HISTORY_ITEMS, Item, RealtimeSession, VoiceDeps
+from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
+from mlxcel.http.realtime_voicechat import VoiceChat
+from mlxcel.http.realtime_wire import RealtimeWire
 from mlxcel.runtime.messages import SamplingParams
 
 
@@ -56,7 +59,7 @@ def deps(max_outbox_bytes: int) -> VoiceDeps:
 
 async def test_a_client_that_stops_reading_is_dropped_with_1008() -> None:
     client = StuckClient()
-    session = RealtimeSession(client, deps(max_outbox_bytes=2000), VoiceChat(22_050))
+    session = RealtimeSession(RealtimeWire(client, VoiceChat(22_050)), deps(max_outbox_bytes=2000))
     client.inbox_tx.send_nowait(json.dumps({"type": "session.update", "session": {}}))
     for _ in range(100):
         client.inbox_tx.send_nowait(json.dumps({"type": "session.ping"}))
@@ -74,8 +77,8 @@ async def test_two_sessions_one_stuck_the_other_served() -> None:
         fine_sent.append(data)
 
     fine.send = reads  # type: ignore[method-assign]
-    a = RealtimeSession(stuck, deps(2000), VoiceChat(22_050))
-    b = RealtimeSession(fine, deps(2000), VoiceChat(22_050))
+    a = RealtimeSession(RealtimeWire(stuck, VoiceChat(22_050)), deps(2000))
+    b = RealtimeSession(RealtimeWire(fine, VoiceChat(22_050)), deps(2000))
     for c in (stuck, fine):
         c.inbox_tx.send_nowait(json.dumps({"type": "session.update", "session": {}}))
         for _ in range(50):
@@ -94,19 +97,20 @@ async def test_two_sessions_one_stuck_the_other_served() -> None:
 async def test_a_long_conversation_forgets_its_oldest_quarter_at_once() -> None:
     # Past MAX_HISTORY_ITEMS the oldest quarter goes in one drop (the prompt's start then
     # stays put for the next 64 items), and the truncation cut moves with the items.
-    session = RealtimeSession(StuckClient(), deps(max_outbox_bytes=2000), VoiceChat(22_050))
+    wire = RealtimeWire(StuckClient(), VoiceChat(22_050))
+    session = RealtimeSession(wire, deps(max_outbox_bytes=2000)).machine
     for i in range(MAX_HISTORY_ITEMS):
-        session._remember(Item(f"item_{i}", "user", f"q{i}"))
-    session._context_from = 100
-    session._remember(Item("one_more", "user", "q"))
+        session.remember(Item(f"item_{i}", "user", f"q{i}"))
+    session.context_from = 100
+    session.remember(Item("one_more", "user", "q"))
     drop = MAX_HISTORY_ITEMS // 4
-    assert len(session._history) == MAX_HISTORY_ITEMS + 1 - drop
-    assert session._history[0].id == f"item_{drop}"
-    assert session._context_from == 100 - drop
-    assert session._messages(None)[0]["content"] == "q100"
+    assert len(session.history) == MAX_HISTORY_ITEMS + 1 - drop
+    assert session.history[0].id == f"item_{drop}"
+    assert session.context_from == 100 - drop
+    assert session.messages(None)[0]["content"] == "q100"
     for i in range(drop - 1):  # no further drop until the cap is passed again
-        session._remember(Item(f"later_{i}", "user", "q"))
-    assert len(session._history) == MAX_HISTORY_ITEMS
+        session.remember(Item(f"later_{i}", "user", "q"))
+    assert len(session.history) == MAX_HISTORY_ITEMS
 
 
 async def test_deep_or_invalid_unicode_events_are_errors_and_the_session_goes_on() -> None:
@@ -117,7 +121,9 @@ async def test_deep_or_invalid_unicode_events_are_errors_and_the_session_goes_on
         sent.append(data)
 
     client.send = reads  # type: ignore[method-assign]
-    session = RealtimeSession(client, deps(max_outbox_bytes=100_000), VoiceChat(22_050))
+    session = RealtimeSession(
+        RealtimeWire(client, VoiceChat(22_050)), deps(max_outbox_bytes=100_000)
+    )
     client.inbox_tx.send_nowait(json.dumps({"type": "session.update", "session": {}}))
     client.inbox_tx.send_nowait('{"type": ' + "[" * 10_000 + "]" * 10_000 + "}")
     client.inbox_tx.send_nowait(json.dumps({"type": "session.ping", "event_id": "a\ud800"}))

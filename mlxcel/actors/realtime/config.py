@@ -68,6 +68,26 @@ class SessionConfig:
 
 
 @attrs.define
+class SessionPatch:
+    """The fields one ``session.update`` sets (parsed from either vocabulary in ``http/``);
+    a field left ``UNSET`` keeps the session's value."""
+
+    values: dict[str, object] = attrs.field(factory=dict)
+
+    def set(self, name: str, value: object) -> None:
+        if name not in _CONFIG_FIELDS:
+            raise AttributeError(name)
+        self.values[name] = value
+
+    def apply(self, cfg: SessionConfig) -> None:
+        for name, value in self.values.items():
+            setattr(cfg, name, value)
+
+
+_CONFIG_FIELDS = frozenset(f.name for f in attrs.fields(SessionConfig))
+
+
+@attrs.define
 class ResponseState:
     """One assistant answer while it streams, and what the client actually received."""
 

@@ -14,9 +14,10 @@ from mlxcel.actors.realtime.config import (
     ProtocolError,
     ResponseState,
     SessionConfig,
+    SessionPatch,
     TurnDetection,
 )
-from mlxcel.actors.realtime.protocol import (
+from mlxcel.http.realtime_voicechat import (
     OPENAI_RATE,
     CommonEvents,
     Event,
@@ -52,6 +53,12 @@ class OpenAIRealtime(CommonEvents):
         )
 
     def apply_update(self, cfg: SessionConfig, session: object, *, first: bool) -> None:
+        """Apply a ``session.update`` to ``cfg`` (the session itself gets ``parse_update``'s
+        patch)."""
+        self.parse_update(session).apply(cfg)
+
+    def parse_update(self, session: object) -> SessionPatch:
+        patch = SessionPatch()
         if not isinstance(session, dict):
             raise ProtocolError("'session' must be an object", param="session")
         for key, value in session.items():
@@ -60,17 +67,18 @@ class OpenAIRealtime(CommonEvents):
                 if value not in _NEUTRAL[key]:
                     raise ProtocolError(f"'{param}' is not supported by this server", param=param)
             elif key == "instructions":
-                cfg.instructions = _string(value, param)
+                patch.set("instructions", _string(value, param))
             elif key == "output_modalities":
                 if value not in (["audio"], ["text"]):
                     raise ProtocolError(f'\'{param}\' must be ["audio"] or ["text"]', param=param)
-                cfg.output_audio = value == ["audio"]
+                patch.set("output_audio", value == ["audio"])
             elif key == "audio":
-                self._audio(cfg, value, param)
-            elif not _common_field(cfg, key, value, param):
+                self._audio(patch, value, param)
+            elif not _common_field(patch, key, value, param):
                 raise ProtocolError(f"'{param}' is not supported by this server", param=param)
+        return patch
 
-    def _audio(self, cfg: SessionConfig, audio: object, param: str) -> None:
+    def _audio(self, patch: SessionPatch, audio: object, param: str) -> None:
         if not isinstance(audio, dict):
             raise ProtocolError(f"'{param}' must be an object", param=param)
         for side, conf in audio.items():
@@ -85,17 +93,17 @@ class OpenAIRealtime(CommonEvents):
                     if value.get("rate", OPENAI_RATE) != OPENAI_RATE:
                         raise ProtocolError(f"'{q}.rate' must be 24000", param=q)
                 elif side == "input" and key == "turn_detection":
-                    _common_field(cfg, key, value, q)
+                    _common_field(patch, key, value, q)
                 elif side == "input" and key == "transcription":
-                    self._transcription(cfg, value, q)
+                    self._transcription(patch, value, q)
                 elif side == "input" and key == "noise_reduction" and value is None:
                     continue
                 elif side == "output" and key in ("voice", "speed"):
-                    _common_field(cfg, key, value, q)
+                    _common_field(patch, key, value, q)
                 else:
                     raise ProtocolError(f"'{q}' is not supported by this server", param=q)
 
-    def _transcription(self, cfg: SessionConfig, value: object, param: str) -> None:
+    def _transcription(self, patch: SessionPatch, value: object, param: str) -> None:
         if value is None:
             return
         if not isinstance(value, dict):
@@ -104,9 +112,9 @@ class OpenAIRealtime(CommonEvents):
             if key == "model":
                 _string(v, f"{param}.model")  # the served Whisper model transcribes
             elif key == "language":
-                cfg.language = _string(v, f"{param}.language")
+                patch.set("language", _string(v, f"{param}.language"))
             elif key == "prompt":
-                cfg.transcription_prompt = _string(v, f"{param}.prompt")
+                patch.set("transcription_prompt", _string(v, f"{param}.prompt"))
             else:
                 raise ProtocolError(f"'{param}.{key}' is not supported", param=f"{param}.{key}")
 

@@ -1,21 +1,24 @@
 """The two event vocabularies a realtime session speaks, chosen per session at the handshake.
 
-``VoiceChat`` is the seed's protocol (reference/mlxcel-surface.md §5) plus documented additions;
-``OpenAIRealtime`` is the OpenAI Realtime (GA) vocabulary, enough for the official SDK's
-``client.realtime.connect()``. Each turns the session's internal happenings into the wire
-payloads of its vocabulary (the session adds ``event_id``) and reads ``session.update``.
+``VoiceChat`` (here) is the seed's protocol (reference/mlxcel-surface.md §5) plus documented
+additions; ``OpenAIRealtime`` (``realtime_openai.py``) is the OpenAI Realtime (GA) vocabulary,
+enough for the official SDK's ``client.realtime.connect()``. Each parses ``session.update`` into
+a ``SessionPatch`` and renders the session's typed server events (``actors/realtime/events.py``)
+into the wire payloads of its vocabulary (``realtime_wire.py`` adds ``event_id``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, assert_never
 
-from mlxcel.actors.realtime.audio import FRAME_SAMPLES
+from mlxcel.actors.realtime import events as ev
+from mlxcel.actors.realtime.audio import FRAME_SAMPLES, encode_pcm16
 from mlxcel.actors.realtime.config import (
     MAX_SESSION_SECONDS,
     ProtocolError,
     ResponseState,
     SessionConfig,
+    SessionPatch,
     TurnDetection,
 )
 from mlxcel.runtime.truncation import Truncation
@@ -133,31 +136,100 @@ def truncation_wire(truncation: Truncation | None) -> object:
     }
 
 
-def _common_field(cfg: SessionConfig, key: str, value: object, param: str) -> bool:
+def _common_field(patch: SessionPatch, key: str, value: object, param: str) -> bool:
     """Fields both vocabularies accept under the same name. False: not one of them."""
     if key == "model":
         _string(value, param)  # any name; the served model answers
     elif key == "temperature":
-        cfg.temperature = _number(value, param, low=0.0, high=2.0)
+        patch.set("temperature", _number(value, param, low=0.0, high=2.0))
     elif key in ("max_output_tokens", "max_response_output_tokens"):
-        cfg.max_output_tokens = _tokens(value, param)
+        patch.set("max_output_tokens", _tokens(value, param))
     elif key == "idle_timeout_s":
-        cfg.idle_timeout = _number(value, param, low=1.0, high=MAX_SESSION_SECONDS)
+        patch.set("idle_timeout", _number(value, param, low=1.0, high=MAX_SESSION_SECONDS))
     elif key == "voice":
-        cfg.voice = _string(value, param)
+        patch.set("voice", _string(value, param))
     elif key == "speed":
-        cfg.speed = _number(value, param, low=0.25, high=4.0)
+        patch.set("speed", _number(value, param, low=0.25, high=4.0))
     elif key == "turn_detection":
-        cfg.turn_detection = _turn_detection(value, param)
+        patch.set("turn_detection", _turn_detection(value, param))
     elif key == "truncation":
-        cfg.truncation = _truncation(value, param)
+        patch.set("truncation", _truncation(value, param))
     else:
         return False
     return True
 
 
 class CommonEvents:
-    """Events both vocabularies spell the same way."""
+    """Events both vocabularies spell the same way, and the dispatch from a typed event."""
+
+    def render(self, event: ev.ServerEvent) -> list[Event]:
+        """The wire payloads of one server event (without ``event_id``)."""
+        match event:
+            case ev.SessionCreated(sid, cfg):
+                return self.session_created(sid, cfg)
+            case ev.SessionUpdated(sid, cfg):
+                return self.session_updated(sid, cfg)
+            case ev.SpeechStarted(item_id, ms):
+                return self.speech_started(item_id, ms)
+            case ev.SpeechStopped(item_id, ms):
+                return self.speech_stopped(item_id, ms)
+            case ev.Cleared():
+                return self.cleared()
+            case ev.Pong():
+                return self.pong()
+            case ev.Committed(item_id, previous):
+                return self.committed(item_id, previous)
+            case ev.UserItem(item_id, previous, text):
+                return self.user_item(item_id, previous, text)
+            case ev.Transcript(item_id, text):
+                return self.transcript(item_id, text)
+            case ev.ResponseCreated(r):
+                return self.response_created(r)
+            case ev.TextDelta(r, delta):
+                return self.text_delta(r, delta)
+            case ev.AudioDelta(r, pcm):
+                return self.audio_delta(r, encode_pcm16(pcm))
+            case ev.Spoken(r, piece):
+                return self.spoken(r, piece)
+            case ev.ResponseDone(r):
+                return self.response_done(r)
+            case ev.Error(code, message, param):
+                return [self.error(code, message, param)]
+            case _:
+                assert_never(event)
+
+    def session_created(self, sid: str, cfg: SessionConfig) -> list[Event]:
+        raise NotImplementedError
+
+    def session_updated(self, sid: str, cfg: SessionConfig) -> list[Event]:
+        raise NotImplementedError
+
+    def committed(self, item_id: str, previous: str | None) -> list[Event]:
+        raise NotImplementedError
+
+    def user_item(self, item_id: str, previous: str | None, text: str | None) -> list[Event]:
+        raise NotImplementedError
+
+    def transcript(self, item_id: str, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def response_created(self, r: ResponseState) -> list[Event]:
+        raise NotImplementedError
+
+    def text_delta(self, r: ResponseState, delta: str) -> list[Event]:
+        raise NotImplementedError
+
+    def audio_delta(self, r: ResponseState, b64: str) -> list[Event]:
+        raise NotImplementedError
+
+    def spoken(self, r: ResponseState, piece: str) -> list[Event]:
+        raise NotImplementedError
+
+    def response_done(self, r: ResponseState) -> list[Event]:
+        raise NotImplementedError
+
+    def error(self, code: str, message: str, param: str | None) -> Event:
+        raise NotImplementedError
 
     def speech_started(self, item_id: str, ms: int) -> list[Event]:
         return [
@@ -190,38 +262,48 @@ class VoiceChat(CommonEvents):
         return SessionConfig(model=model, multi_turn=False, output_rate=self.output_rate)
 
     def apply_update(self, cfg: SessionConfig, session: object, *, first: bool) -> None:
+        """Apply a ``session.update`` to ``cfg`` (the session itself gets ``parse_update``'s
+        patch and refuses a second update in its state machine)."""
         if not first:
             raise ProtocolError(
                 "the session is already configured", code="session_initialization_failed"
             )
+        self.parse_update(session).apply(cfg)
+
+    def parse_update(self, session: object) -> SessionPatch:
         if not isinstance(session, dict):
             raise ProtocolError("'session' must be an object", param="session")
+        patch = SessionPatch()
         for key, value in session.items():
             param = f"session.{key}"
-            if _common_field(cfg, key, value, param):
+            if _common_field(patch, key, value, param):
                 continue
             if key in ("system_prompt", "instructions"):
-                cfg.instructions = _string(value, param)
+                patch.set("instructions", _string(value, param))
             elif key == "seed":
-                cfg.seed = _seed(value, param)
+                patch.set("seed", _seed(value, param))
             elif key == "max_streaming_seconds":
                 # Clamped, as the seed does.
-                cfg.max_seconds = min(_number(value, param, low=1, high=1e9), MAX_SESSION_SECONDS)
+                patch.set(
+                    "max_seconds", min(_number(value, param, low=1, high=1e9), MAX_SESSION_SECONDS)
+                )
             elif key == "multi_turn":
                 if not isinstance(value, bool):
                     raise ProtocolError(f"'{param}' must be a boolean", param=param)
-                cfg.multi_turn = value
+                patch.set("multi_turn", value)
             elif key == "language":
-                cfg.language = _string(value, param)
+                patch.set("language", _string(value, param))
             else:
                 raise ProtocolError(
                     f"'{param}' is not supported by this server",
                     code="session_initialization_failed",
                     param=param,
                 )
-        if cfg.turn_detection is not None:
-            # Turns that end by themselves only make sense in a session that goes on.
-            cfg.multi_turn = True
+        if patch.values.get("turn_detection") is not None:
+            # Turns that end by themselves only make sense in a session that goes on (a
+            # VoiceChat session is configured once, from a config without turn detection).
+            patch.set("multi_turn", True)
+        return patch
 
     def _session(self, sid: str, cfg: SessionConfig, state: str) -> dict[str, Any]:
         return {
