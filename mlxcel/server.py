@@ -182,7 +182,6 @@ async def serve(
             embedder=side.embedder,
             reranker=side.reranker,
             generation=side.generation,
-            admission=admission,
             info=info,
             pipeline=LocalPipeline(admission, tokenizer, scheduler, tokenized_tx.clone()),
             metrics=metrics,

@@ -15,9 +15,8 @@ import trio
 
 from mlxcel.runtime.errors import InvalidRequest, ServerBusy, ShuttingDown
 from mlxcel.runtime.messages import GenerationRequest, Submit
+from mlxcel.runtime.sampling_rules import MAX_STOP_STRINGS
 from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
-
-MAX_STOP_STRINGS = 16
 
 
 def validate(request: GenerationRequest) -> None:

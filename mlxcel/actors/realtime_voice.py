@@ -37,7 +37,6 @@ import attrs
 import numpy as np
 import trio
 
-from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.actors.realtime import events as ev
 from mlxcel.actors.realtime.answer import fit_context
@@ -48,6 +47,7 @@ from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
 from mlxcel.actors.realtime.vad import SileroModel, VadStream
 from mlxcel.runtime.errors import MlxcelError
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams
+from mlxcel.runtime.slot import OutputSlot
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,17 @@ class TextToSpeech(Protocol):
     ) -> AsyncIterator[bytes]: ...
 
 
+class Generation(Protocol):
+    """Where a session's answers are generated: the pipeline's submit, as HTTP has it."""
+
+    def submit(self, request: GenerationRequest) -> OutputSlot: ...
+
+
 @attrs.frozen
 class VoiceDeps:
     """What a session needs from the running server."""
 
-    admission: Admission
+    generation: Generation
     stt: SpeechToText
     tts: TextToSpeech
     sampling: SamplingParams
@@ -333,7 +339,7 @@ class RealtimeSession:
         submit = _only(self._feed(ev.ContextFitted(rid, cut)), ev.Submit)
         if submit is None:
             return  # no longer wanted
-        slot = deps.admission.submit(submit.request)
+        slot = deps.generation.submit(submit.request)
         async with trio.open_nursery() as n:
             pieces_tx, pieces_rx = trio.open_memory_channel[str](64)
             if start.output_audio:

@@ -21,24 +21,12 @@ import trio
 from mlxcel.actors.admission import Admission
 from mlxcel.actors.embedder import Embedder, EmbeddingBackend
 from mlxcel.actors.model_runner.backend import ModelInfo
-from mlxcel.runtime.errors import NotImplementedRoute
+from mlxcel.runtime.errors import NO_GENERATION, NotImplementedRoute
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.settings import Settings
 from mlxcel.runtime.slot import OutputSlot
 
 log = logging.getLogger(__name__)
-
-
-NO_GENERATION = (
-    "This server runs without a chat model (embedding or rerank only): generation routes are "
-    "not available. Start it with -m <chat model> and --embedding-model <embedder>."
-)
-
-
-def require_generation(generation: bool) -> None:
-    """A generation route's first check: 501 ``not_implemented`` in side-model-only mode."""
-    if not generation:
-        raise NotImplementedRoute(NO_GENERATION)
 
 
 class GenerationDisabled(Admission):

@@ -17,7 +17,6 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from mlxcel.actors.side_models import require_generation
 from mlxcel.http import sse
 from mlxcel.http.anthropic_blocks import BlockStream, content, stop_reason, usage
 from mlxcel.http.anthropic_wire import MessagesRequest, messages_request
@@ -25,7 +24,7 @@ from mlxcel.http.chat_render import Collected
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import start_generation
-from mlxcel.runtime.errors import InternalError, MlxcelError
+from mlxcel.runtime.errors import InternalError, MlxcelError, require_generation
 from mlxcel.runtime.slot import OutputSlot
 
 bp = Blueprint("anthropic", __name__)

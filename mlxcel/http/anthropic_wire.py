@@ -18,7 +18,6 @@ from typing import Any
 
 import attrs
 
-from mlxcel.actors.admission import MAX_STOP_STRINGS
 from mlxcel.actors.grammars import schema_grammar
 from mlxcel.http.openai_wire import MAX_TOOLS, PLAIN_SAMPLING
 from mlxcel.http.sampling_wire import SamplingFields, sampling_params
@@ -32,6 +31,7 @@ from mlxcel.runtime.messages import (
     JsonSchemaFormat,
     SamplingParams,
 )
+from mlxcel.runtime.sampling_rules import MAX_STOP_STRINGS
 
 
 @attrs.frozen(kw_only=True)

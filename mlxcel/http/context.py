@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import attrs
 from quart import current_app, request
 
-from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.stt import SpeechToText
 from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.actors.embedder import Embedder
@@ -79,9 +78,6 @@ class ServerContext:
     settings: Settings
     info: ModelInfo
     pipeline: Pipeline
-    # Only for realtime sessions, whose VoiceDeps still takes the actor; every other handler
-    # submits through ``pipeline``.
-    admission: Admission
     metrics: Metrics
     # The tool-call format in use (None: --tool-format none, tools are refused).
     tool_format: ToolFormat | None = None

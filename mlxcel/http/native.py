@@ -12,13 +12,12 @@ import attrs
 import trio
 from quart import Blueprint, Response
 
-from mlxcel.actors.side_models import require_generation
 from mlxcel.actors.token_bytes import piece_for_json, token_bytes
 from mlxcel.http.context import read_json, server
 from mlxcel.http.openai import render_chat
 from mlxcel.http.openai_wire import token_ids
 from mlxcel.runtime.codec import structure
-from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.errors import InvalidRequest, require_generation
 from mlxcel.runtime.messages import ResetCache
 
 bp = Blueprint("native", __name__)

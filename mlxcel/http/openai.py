@@ -19,7 +19,6 @@ import attrs
 import trio
 from quart import Blueprint, Response, request
 
-from mlxcel.actors.side_models import require_generation
 from mlxcel.http import logprobs, slot_wire, sse
 from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.audio import audio_model_entries
@@ -29,7 +28,7 @@ from mlxcel.http.embeddings import side_model_entries
 from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
 from mlxcel.http.security import key_scope
-from mlxcel.runtime.errors import InvalidRequest, MlxcelError
+from mlxcel.runtime.errors import InvalidRequest, MlxcelError, require_generation
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot, SlotUpdate
 

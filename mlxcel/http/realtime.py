@@ -164,7 +164,7 @@ async def realtime() -> Response | None:
             OpenAIRealtime() if protocol == "openai" else VoiceChat(ctx.tts.sample_rate)
         )
         deps = VoiceDeps(
-            admission=ctx.admission,
+            generation=ctx.pipeline,
             stt=ctx.stt,
             tts=ctx.tts,
             sampling=ctx.settings.sampling,

@@ -23,7 +23,6 @@ import trio
 from quart import Blueprint, Response, request
 
 from mlxcel.actors.session_store import Running, SessionStore
-from mlxcel.actors.side_models import require_generation
 from mlxcel.http import sse
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.openai import start_generation
@@ -37,7 +36,13 @@ from mlxcel.http.responses_wire import (
     parse_body,
 )
 from mlxcel.runtime import truncation
-from mlxcel.runtime.errors import ContextOverflow, InvalidRequest, MlxcelError, NotFound
+from mlxcel.runtime.errors import (
+    ContextOverflow,
+    InvalidRequest,
+    MlxcelError,
+    NotFound,
+    require_generation,
+)
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot
 

@@ -132,3 +132,15 @@ class Timeout(ServiceError):
 class InternalError(MlxcelError):
     status = 500
     error_type = "server_error"
+
+
+NO_GENERATION = (
+    "This server runs without a chat model (embedding or rerank only): generation routes are "
+    "not available. Start it with -m <chat model> and --embedding-model <embedder>."
+)
+
+
+def require_generation(generation: bool) -> None:
+    """A generation route's first check: 501 ``not_implemented`` in side-model-only mode."""
+    if not generation:
+        raise NotImplementedRoute(NO_GENERATION)

@@ -7,6 +7,9 @@ import math
 
 from mlxcel.runtime.messages import SamplingParams as SamplerConfig
 
+# Stop strings a request may give (OpenAI's limit is 4; llama-server takes any number).
+MAX_STOP_STRINGS = 16
+
 
 def validate(config: SamplerConfig, *, vocab_size: int | None = None) -> None:
     """Raise ValueError("<field>: <why>") for the first out-of-range setting."""

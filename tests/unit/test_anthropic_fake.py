@@ -18,6 +18,7 @@ import trio
 
 from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.runtime.errors import InternalError
+from tests.support.pipeline import admission
 from tests.unit.test_anthropic_wire import WEATHER, check_event_order
 from tests.unit.test_pipeline_fake import fake_server, scripted, wait_until
 
@@ -209,7 +210,7 @@ async def test_disconnect_mid_stream_stops_generation(smollm_tokenizer: Any) -> 
             # Leave once tokens are flowing (reading part of the body under Trio would leave
             # httpx's inner generators unclosed).
             await wait_until(lambda: backend.steps > 10)
-        await wait_until(lambda: ctx.admission.active == 0)
+        await wait_until(lambda: admission(ctx).active == 0)
         steps = backend.steps
         await wait_until(lambda: backend.rows == 0)  # 100,000 tokens had it gone on
         assert backend.steps <= steps + 1, "generation went on after the client left"
@@ -258,7 +259,7 @@ async def test_error_envelopes_auth_and_overload(smollm_tokenizer: Any) -> None:
             assert running.status_code == 200
             async with client.stream("POST", "/v1/messages", json=long, headers=key) as queued:
                 assert queued.status_code == 200
-                await wait_until(lambda: ctx.admission.queued == 1)
+                await wait_until(lambda: admission(ctx).queued == 1)
                 full = await client.post("/v1/messages", json=body(stream=True), headers=key)
     assert full.status_code == 503
     assert full.headers["content-type"].startswith("application/json")
@@ -271,7 +272,7 @@ async def test_disconnect_while_waiting_for_a_whole_message_stops_generation(
     async with fake_server(smollm_tokenizer, step_delay=0.02) as (client, backend, ctx):
         with trio.move_on_after(0.3):
             await client.post("/v1/messages", json=body(max_tokens=100_000))
-        await wait_until(lambda: ctx.admission.active == 0)
+        await wait_until(lambda: admission(ctx).active == 0)
         steps = backend.steps
         await wait_until(lambda: backend.rows == 0)  # 100,000 tokens had it gone on
         assert backend.steps <= steps + 1, "generation went on after the client left"

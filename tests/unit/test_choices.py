@@ -18,6 +18,7 @@ from mlxcel.runtime.messages import (
     TokenOut,
 )
 from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
+from tests.support.pipeline import admission
 from tests.unit.test_pipeline_fake import (
     CALL,
     HELLO,
@@ -195,11 +196,11 @@ async def test_a_disconnect_aborts_every_choice(smollm_tokenizer: Any) -> None:
             await wait_until(lambda: backend.rows == 3)
             steps = backend.steps
             await wait_until(lambda: backend.steps >= steps + 3)  # every choice is decoding
-        await wait_until(lambda: ctx.admission.active == 0)  # its handler has sent the abort
+        await wait_until(lambda: admission(ctx).active == 0)  # its handler has sent the abort
         steps = backend.steps
         await wait_until(lambda: backend.rows == 0)  # 100,000 tokens each had they gone on
         assert backend.steps <= steps + 1, "a choice went on after the client left"
-        assert ctx.pipeline.statistics().running == 0 and ctx.admission.queued == 0
+        assert ctx.pipeline.statistics().running == 0 and admission(ctx).queued == 0
 
 
 async def test_n_is_bounded_by_parallel_and_validated(smollm_tokenizer: Any) -> None:

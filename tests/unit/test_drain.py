@@ -18,6 +18,7 @@ from mlxcel.runtime.settings import Settings
 from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
 from mlxcel.server import serve
 from tests.conftest import free_port
+from tests.support.pipeline import admission
 
 CHAT = [{"role": "user", "content": "Hi"}]
 
@@ -53,7 +54,7 @@ async def test_stop_ends_a_running_stream_with_length_and_done(smollm_tokenizer:
                         break
                 stop.set()
                 await trio.testing.wait_all_tasks_blocked()  # the server has seen it
-                assert ctx.admission.draining
+                assert admission(ctx).draining
                 async with httpx.AsyncClient(base_url=base, timeout=30) as other:
                     health = await other.get("/health")
                     refused = await other.post("/v1/chat/completions", json={"messages": CHAT})

@@ -23,6 +23,7 @@ from mlxcel.http.context import ServerContext
 from mlxcel.runtime.settings import Settings
 from mlxcel.server import serve
 from tests.conftest import free_port
+from tests.support.pipeline import admission
 
 HELLO = [19556, 28, 905, 17]  # token ids; decoded below rather than trusted
 
@@ -112,7 +113,7 @@ async def test_full_queue_is_503_before_any_stream_byte(smollm_tokenizer: Any) -
                 "POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=10_000)
             ) as queued:
                 assert queued.status_code == 200
-                await wait_until(lambda: ctx.admission.queued == 1)
+                await wait_until(lambda: admission(ctx).queued == 1)
                 r = await client.post("/v1/chat/completions", json=chat(stream=True))
                 assert r.status_code == 503
                 assert r.headers["content-type"].startswith("application/json")
@@ -136,7 +137,7 @@ async def test_disconnect_mid_prefill_stops_within_one_chunk(smollm_tokenizer: A
         chunks_at_disconnect = sum(backend.chunks_done.values())
         await wait_until(lambda: backend.rows == 0)  # the abort has reached the batch
         assert sum(backend.chunks_done.values()) <= chunks_at_disconnect + 1
-        assert ctx.admission.queued == 0
+        assert admission(ctx).queued == 0
         # The freed slot serves the next request at once.
         r2 = await client.post("/v1/chat/completions", json=chat(max_tokens=2))
         assert r2.status_code == 200
@@ -146,7 +147,7 @@ async def test_disconnected_non_streaming_request_stops_too(smollm_tokenizer: An
     async with fake_server(smollm_tokenizer, step_delay=0.02) as (client, backend, ctx):
         with trio.move_on_after(0.3):  # the client gives up waiting
             await client.post("/v1/chat/completions", json=chat(max_tokens=100_000))
-        await wait_until(lambda: ctx.admission.active == 0)  # its handler has sent the abort
+        await wait_until(lambda: admission(ctx).active == 0)  # its handler has sent the abort
         steps = backend.steps
         # Left the batch (else it would run for 100,000 tokens), within one step.
         await wait_until(lambda: backend.rows == 0)
@@ -208,7 +209,7 @@ async def test_keepalive_comments_flow_during_a_long_prefill(smollm_tokenizer: A
 
 async def test_shutdown_rejects_new_work_with_503(smollm_tokenizer: Any) -> None:
     async with fake_server(smollm_tokenizer) as (client, _, ctx):
-        ctx.admission.drain()
+        admission(ctx).drain()
         r = await client.post("/v1/chat/completions", json=chat())
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "unavailable_error"

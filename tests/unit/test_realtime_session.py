@@ -46,7 +46,7 @@ class NoVoice:
 
 def deps(max_outbox_bytes: int) -> VoiceDeps:
     return VoiceDeps(
-        admission=Any,  # type: ignore[arg-type]  # no answer is generated in these tests
+        generation=Any,  # type: ignore[arg-type]  # no answer is generated in these tests
         stt=Any,  # type: ignore[arg-type]
         tts=NoVoice(),  # type: ignore[arg-type]
         sampling=SamplingParams(),

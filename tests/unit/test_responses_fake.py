@@ -20,6 +20,7 @@ import trio
 
 from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.http.context import ServerContext
+from tests.support.pipeline import admission
 from tests.unit.test_pipeline_fake import QWEN_TEMPLATE, fake_server, wait_until
 
 WEATHER_TOOL = {
@@ -248,7 +249,7 @@ async def test_disconnect_aborts_the_generation(smollm_tokenizer: Any, tmp_path:
         async with client.stream("POST", "/v1/responses", json=body) as r:
             assert r.status_code == 200
             await wait_until(lambda: backend.steps > 3)
-        await wait_until(lambda: ctx.admission.active == 0)  # its handler has sent the abort
+        await wait_until(lambda: admission(ctx).active == 0)  # its handler has sent the abort
         steps = backend.steps
         await wait_until(lambda: backend.rows == 0)  # 100,000 tokens had it gone on
         assert backend.steps <= steps + 1
