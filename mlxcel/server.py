@@ -193,7 +193,12 @@ async def serve(
         )
         metrics.live.scheduler = scheduler.statistics
         metrics.live.queued = lambda: admission.queued
+        workers = {"embedding": side.embedder, "rerank": side.reranker}
+        metrics.live.side_jobs = lambda: {
+            name: (w.queued, w.working) for name, w in workers.items() if w is not None
+        }
         app = InFlight(create_app(ctx))
+        metrics.live.in_flight = lambda: app.active
         http_stop = trio.Event()
         http_done = trio.Event()
 

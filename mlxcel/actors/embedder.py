@@ -66,6 +66,13 @@ class Embedder:
         self._tx, self._rx = trio.open_memory_channel[EmbedderInbox](queue_depth)
         self._ids = itertools.count()
         self.info: EmbedderInfo | None = None
+        # Jobs the worker thread has taken and is computing (written by that thread only).
+        self.working = 0
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the worker (at most ``queue_depth``; one more is a 503)."""
+        return self._tx.statistics().current_buffer_used
 
     # -- the handler side -------------------------------------------------------------------
 
@@ -123,7 +130,11 @@ class Embedder:
                 except trio.EndOfChannel:
                     return
                 jobs = [first, *trio.from_thread.run_sync(self._drain)]
-                self._serve(backend, jobs)
+                self.working = len(jobs)
+                try:
+                    self._serve(backend, jobs)
+                finally:
+                    self.working = 0
         finally:
             from mlxcel.models.loader import release_thread_streams
 

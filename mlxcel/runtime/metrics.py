@@ -39,6 +39,10 @@ class _Live(Collector):
         self.scheduler: Callable[[], SchedulerStatistics] = SchedulerStatistics
         self.queued: Callable[[], int] = lambda: 0
         self.blas_threads: Callable[[], int | None] = lambda: None
+        # HTTP requests being served (this scrape included): what the shutdown drain waits on.
+        self.in_flight: Callable[[], int] = lambda: 0
+        # Per side worker (embedding, rerank): jobs (queued, being computed).
+        self.side_jobs: Callable[[], dict[str, tuple[int, int]]] = dict
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.scheduler()
@@ -51,6 +55,20 @@ class _Live(Collector):
         yield GaugeMetricFamily(
             "mlxcel_queue_depth", "Requests admitted and waiting for a slot.", value=self.queued()
         )
+        yield GaugeMetricFamily(
+            "mlxcel_http_requests_in_flight",
+            "HTTP requests being served, every route (this scrape included).",
+            value=self.in_flight(),
+        )
+        side = GaugeMetricFamily(
+            "mlxcel_side_jobs",
+            "Embedding and rerank jobs per worker, waiting (queued) or being computed (running).",
+            labels=["worker", "state"],
+        )
+        for worker, (queued, running) in sorted(self.side_jobs().items()):
+            side.add_metric([worker, "queued"], queued)
+            side.add_metric([worker, "running"], running)
+        yield side
         yield GaugeMetricFamily(
             "mlxcel_batch_size",
             "Sequences (rows: one per choice) in the running batch.",

