@@ -1,0 +1,146 @@
+"""Where a decode step's time goes, driving the model runner's backend directly (no HTTP, no
+Trio): issue 22's first measurements.
+
+    .venv/bin/python tools/bench/step.py steps [--rows 1 16 32 64]
+    .venv/bin/python tools/bench/step.py admit [--rows 16] [--prompt 2000] [--chunk 512]
+        [--steps 40]
+
+``steps``: for each row count, rows decoding greedily (the embedded SmolLM2, float32): ms per
+step, tokens/s, and the FLOP rate that step reaches (2 x parameters x rows per step), with the
+forward pass alone (graph building and evaluation) beside it, so what the backend adds on top
+(sampling, bookkeeping) shows.
+
+``admit``: rows decoding, then one long prompt arrives: each step's time while the prompt is
+read and after it joins the batch, the running rows' tokens/s against before, and the long
+prompt's time to its first token (issue 22, item 3: running streams should lose at most 20%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlxcel.models  # noqa: F401  isort: skip  (OpenBLAS before mlx)
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from mlxcel.actors.model_runner.mlx_backend import MlxBackend
+from mlxcel.models.loader import LoadedModel, load_model
+from mlxcel.models.resolve import resolve_model
+from mlxcel.runtime.messages import InsertSequence, SamplingParams, StepPlan
+from mlxcel.runtime.settings import Settings
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def decoding(loaded: LoadedModel, rows: int, settings: Settings) -> MlxBackend:
+    """A backend with ``rows`` rows past their prompts, decoding without end."""
+    backend = MlxBackend(loaded, settings)
+    tok = loaded.tokenizer
+    inserts = tuple(
+        InsertSequence(
+            f"r{i}",
+            tuple(tok.encode(f"Tell me a long story number {i} about")),
+            100_000,
+            GREEDY,
+            ignore_eos=True,
+        )
+        for i in range(rows)
+    )
+    backend.apply(StepPlan(inserts=inserts))
+    for _ in range(8):
+        backend.apply(StepPlan())
+    return backend
+
+
+def forward_ms(loaded: LoadedModel, rows: int, n: int = 20) -> float:
+    """The model's decode pass alone over ``rows`` rows (20 cached tokens each)."""
+    model = loaded.model
+    cache = [BatchKVCache([0] * rows) for _ in model.layers]
+    mx.eval(model(mx.array([[5] * 20] * rows), cache=cache))
+    token = mx.array([[7]] * rows)
+    for _ in range(3):
+        mx.eval(model(token, cache=cache))
+    tic = time.perf_counter()
+    for _ in range(n):
+        mx.eval(model(token, cache=cache))
+    return (time.perf_counter() - tic) / n * 1000
+
+
+def steps(loaded: LoadedModel, counts: list[int]) -> None:
+    params = sum(v.size for _, v in _leaves(loaded.model.parameters()))
+    size = f"2 x {params / 1e6:.0f}M x rows"
+    print(f"| rows | ms/step | tok/s | GFLOP/s ({size}) | forward alone ms |")
+    print("|---:|---:|---:|---:|---:|")
+    for rows in counts:
+        backend = decoding(loaded, rows, Settings(parallel=rows, cache_ram_mib=0))
+        n = 20
+        tic = time.perf_counter()
+        for _ in range(n):
+            backend.apply(StepPlan())
+        dt = (time.perf_counter() - tic) / n
+        flops = 2 * params * rows / dt / 1e9
+        fwd = forward_ms(loaded, rows)
+        print(f"| {rows} | {dt * 1000:.1f} | {rows / dt:.1f} | {flops:.1f} | {fwd:.1f} |")
+
+
+def admit(loaded: LoadedModel, rows: int, prompt: int, chunk: int, count: int) -> None:
+    settings = Settings(
+        parallel=rows + 1, cache_ram_mib=0, ctx_size=prompt + 512, prefill_chunk_size=chunk
+    )
+    backend = decoding(loaded, rows, settings)
+    tok = loaded.tokenizer
+
+    def run(n: int, plan: StepPlan) -> tuple[list[float], int, float | None]:
+        times, tokens, first = [], 0, None
+        for k in range(n):
+            tic = time.perf_counter()
+            out = backend.apply(plan if k == 0 else StepPlan())
+            times.append(time.perf_counter() - tic)
+            tokens += sum(1 for t in out.tokens if t.request_id.startswith("r"))
+            if first is None and any(t.request_id == "long" for t in out.tokens):
+                first = sum(times)
+        return times, tokens, first
+
+    before, n_before, _ = run(10, StepPlan())
+    text = "The history of the world is long. " * (prompt // 6 + 1)
+    ids = tuple(tok.encode(text)[:prompt])
+    long = InsertSequence("long", ids, 64, GREEDY)
+    during, n_during, first = run(count, StepPlan(inserts=(long,)))
+    base = n_before / sum(before)
+    rate = n_during / sum(during)
+    print(
+        f"{rows} rows decoding: {base:.1f} tok/s; over the {count} steps after a {prompt}-token "
+        f"prompt arrives (chunk {chunk}): {rate:.1f} tok/s ({rate / base:.2f}x); its first "
+        f"token after {first if first is not None else float('nan'):.2f} s"
+    )
+    print("step ms:", [round(t * 1000) for t in during])
+
+
+def _leaves(tree: object) -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return [(k, v) for k, v in tree_flatten(tree) if isinstance(v, mx.array)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("steps")
+    s.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
+    a = sub.add_parser("admit")
+    a.add_argument("--rows", type=int, default=16)
+    a.add_argument("--prompt", type=int, default=2000)
+    a.add_argument("--chunk", type=int, default=512)
+    a.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    loaded = load_model(resolve_model(None))
+    if args.what == "steps":
+        steps(loaded, args.rows)
+    else:
+        admit(loaded, args.rows, args.prompt, args.chunk, args.steps)
+
+
+if __name__ == "__main__":
+    main()
