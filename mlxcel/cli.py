@@ -91,7 +91,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=_env_bool("MLXCEL_KEEP_QUANTIZED", d.keep_quantized),
         help="keep quantised weights instead of dequantising to float32 at load "
-        "(slower on CPU) (env: MLXCEL_KEEP_QUANTIZED)",
+        "(slower on CPU; on a GPU weights always stay as stored) (env: MLXCEL_KEEP_QUANTIZED)",
     )
     opt("--host", env="LLAMA_ARG_HOST", default=d.host, help="address to listen on")
     opt("--port", env="LLAMA_ARG_PORT", type=int, default=d.port, help="TCP port")
@@ -806,10 +806,20 @@ def run_serve(settings: Settings) -> int:
         log.debug("malloc: glibc defaults (or the environment's MALLOC_* settings)")
     if settings.threads > 0:  # read by OpenBLAS when it loads: importing mlxcel.models does
         os.environ["OPENBLAS_NUM_THREADS"] = str(settings.threads)
+    from mlxcel.models import device
     from mlxcel.models.blas import preload_blas
 
     blas = preload_blas()
-    if blas.fast:
+    try:
+        on = device.describe()  # imports mlx.core, after the preload
+    except device.NoBackend as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    log.info("device: %s", on.label)
+    if on.kind != "cpu":
+        # The model's matmuls run on the GPU; a BLAS serves only work left on the CPU device.
+        log.info("BLAS (for the CPU device only): %s", blas.name)
+    elif blas.fast:
         log.info("BLAS: %s (%s)", blas.name, blas.path or "system")
     else:
         log.warning(

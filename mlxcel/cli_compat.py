@@ -93,7 +93,8 @@ def check(args: argparse.Namespace) -> list[str]:
     if args.n_gpu_layers is not None:
         notes.append(
             f"--n-gpu-layers {args.n_gpu_layers}: MLX runs the whole model on its default "
-            "device (Metal on Apple silicon, the CPU elsewhere)"
+            "device (Metal on Apple silicon, CUDA with mlxcel's cuda12/cuda13 extra on an "
+            "NVIDIA GPU, the CPU elsewhere)"
         )
     if args.ubatch_size is not None:
         notes.append("--ubatch-size: ignored (prompts are read in --prefill-chunk-size chunks)")

@@ -60,7 +60,7 @@ def build_mlx_backend(settings: Settings) -> Backend:
         loaded.tokenizer.chat_template = settings.chat_template
         loaded = attrs.evolve(loaded, chat_template=settings.chat_template)
     backend = MlxBackend(loaded, settings)
-    log.info("loaded %s from %s", backend.info.description, loaded.path)
+    log.info("loaded %s from %s on %s", backend.info.description, loaded.path, backend.info.device)
     if settings.warmup:
         log.info("warmed up in %.2f s", backend.warmup())
     return backend

@@ -44,6 +44,8 @@ class SideModels:
 
     def model_info(self) -> ModelInfo:
         """The served model's facts in side-model-only mode (the first side model)."""
+        from mlxcel.models import device
+
         worker = self.embedder or self.reranker
         assert worker is not None and worker.info is not None
         info = worker.info
@@ -55,6 +57,8 @@ class SideModels:
             context_length=info.max_length,
             chat_template=None,
             description=f"{info.kind} {info.model_id} ({info.dim}-d)",
+            # A device name, no computing: the encoders run on mlx's default device too.
+            device=device.describe().label,
         )
 
 

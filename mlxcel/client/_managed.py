@@ -157,7 +157,8 @@ class ManagedServer:
             )
         except OSError as error:
             raise MlxcelServerError(
-                f"cannot run {self.argv[0]!r}: {error}. Install mlxcel (pip install mlxcel), "
+                f"cannot run {self.argv[0]!r}: {error}. Install mlxcel (pip install "
+                "'mlxcel[cpu]', or 'mlxcel[cuda12]' for an NVIDIA GPU), "
                 "or point binary= or MLXCEL_BIN at the mlxcel executable"
             ) from error
         assert self._proc.stdout is not None

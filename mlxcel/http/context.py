@@ -112,7 +112,7 @@ class ServerContext:
     def fingerprint(self) -> str:
         """OpenAI's `system_fingerprint`: which configuration produced an answer, for clients
         that compare seeded answers. It changes with what changes the numbers: our and mlx's
-        versions, the model and its precision, the BLAS and --batch-invariant."""
+        versions, the model and its precision, the BLAS, the device and --batch-invariant."""
         from importlib.metadata import version
 
         from mlxcel import __version__
@@ -124,6 +124,7 @@ class ServerContext:
             self.info.description,
             str(self.info.path),
             preload_blas().name,
+            self.info.device,
             str(self.settings.batch_invariant),
         )
         return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]

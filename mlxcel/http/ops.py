@@ -182,6 +182,8 @@ async def props() -> Response:
             # What the chat model reads (text only); the audio routes are in capabilities.
             "modalities": {"vision": False, "video": False, "audio": False},
             "build_info": f"mlxcel-{__version__}",
+            # mlxcel extension: where the chat model computes ("cpu", "gpu (cuda: NVIDIA H200)").
+            "device": ctx.info.device,
             # The KV cache is kept in the model's own precision: no KV quantisation here.
             "kv_cache_mode": "full",
             "kv_bits": None,

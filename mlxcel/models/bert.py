@@ -2,7 +2,9 @@
 
 Parameter names follow the Hugging Face checkpoints after ``sanitize`` (which only renames the
 ``attention.self`` scope, a Python keyword-like name, and drops buffers), so safetensors load
-strictly: a wrong name or shape fails loudly. Everything runs in float32 on CPU.
+strictly: a wrong name or shape fails loudly. Everything runs in float32. On the CPU, GELU,
+LayerNorm and attention go through ``fast_math`` (mlx's own are scalar loops there); on a GPU
+through mlx's own kernels, which are fused there.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from mlxcel.models import fast_math
+from mlxcel.models import device, fast_math
 from mlxcel.models.mlx_setup import mx
 
 __all__ = ["BertConfig", "BertModel", "BertForSequenceClassification", "sanitize"]
@@ -41,7 +43,7 @@ class BertConfig:
 
 def _act(name: str) -> Callable[[mx.array], mx.array]:
     if name in ("gelu", "gelu_python"):
-        return fast_math.gelu
+        return fast_math.gelu if device.on_cpu() else nn.gelu
     if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         return nn.gelu_approx
     if name == "relu":
@@ -52,9 +54,12 @@ def _act(name: str) -> Callable[[mx.array], mx.array]:
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` (same parameters) computed by ``fast_math.layer_norm`` (BLAS means)."""
+    """``nn.LayerNorm`` (same parameters) computed by ``fast_math.layer_norm`` (BLAS means) on
+    the CPU, by mlx's fused kernel elsewhere."""
 
     def __call__(self, x: mx.array) -> mx.array:
+        if not device.on_cpu():
+            return mx.fast.layer_norm(x, self.weight, self.bias, self.eps)
         return fast_math.layer_norm(x, self.weight, self.bias, self.eps)
 
 
@@ -90,7 +95,8 @@ class SelfAttention(nn.Module):
             return t.reshape(b, n, h, d // h).transpose(0, 2, 1, 3)
 
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        out = fast_math.attention(q, k, v, scale=(d // h) ** -0.5, mask=mask)
+        attend = fast_math.attention if device.on_cpu() else mx.fast.scaled_dot_product_attention
+        out = attend(q, k, v, scale=(d // h) ** -0.5, mask=mask)
         return out.transpose(0, 2, 1, 3).reshape(b, n, d)
 
 

@@ -6,6 +6,11 @@ imported puts its ``sgemm_`` first in the global symbol scope, so MLX's calls
 bind to it (measured 2 -> 40-56 GFLOP/s on 2 cores, ~170 on more). Loading it
 after ``mlx.core`` is imported changes nothing (measured), so we say so
 instead of pretending.
+
+With a GPU backend (the ``mlx[cuda12]`` / ``mlx[cuda13]`` wheels, Metal) the model's matmuls
+never reach a BLAS, so the preload is only what it is for any other work mlx leaves on the CPU
+device (the CUDA wheel bundles the same reference BLAS): harmless, and nothing is worth a
+warning there.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def _load() -> BlasInfo:
     if "mlx.core" in sys.modules:
         # Too late: MLX's BLAS symbols are already bound (measured: loading
         # OpenBLAS now leaves matmuls at reference speed).
-        log.warning(
+        _slow_cpu_matmuls(
             "mlx.core was imported before mlxcel.models; float32 matmuls will use "
             "the slow reference BLAS. Import mlxcel.models first."
         )
@@ -90,11 +95,19 @@ def _load() -> BlasInfo:
         global _lib
         _lib = lib
         return BlasInfo(name="openblas", path=path, fast=True)
-    log.warning(
+    _slow_cpu_matmuls(
         "OpenBLAS not found (Debian: apt-get install libopenblas0-pthread); "
         "float32 matmuls will use the slow reference BLAS bundled with mlx"
     )
     return BlasInfo(name="reference", path=None, fast=False)
+
+
+def _slow_cpu_matmuls(message: str) -> None:
+    # Only the CPU wheel puts the model's matmuls in BLAS. Read from the package metadata (mlx.core
+    # must not be imported before the preload), and only on this rare path (~ms).
+    from mlxcel.models.device import gpu_wheel_installed
+
+    (log.info if gpu_wheel_installed() else log.warning)(message)
 
 
 def preload_blas() -> BlasInfo:
@@ -125,7 +138,8 @@ class fewer_threads:  # noqa: N801 - used as a context manager, like a function
     matmul there would only fight over the same cores. OpenBLAS 0.3.21 has no
     per-thread setting, so this is process-wide: a generation step running at that moment
     also multiplies on fewer threads (it shares the cores with the encoder anyway). Nested
-    and concurrent users are counted; the last one out restores the thread count.
+    and concurrent users are counted; the last one out restores the thread count. On a GPU
+    the model's steps use no BLAS, so there it only changes mlx work on the CPU device.
     """
 
     def __init__(self, share: int) -> None:

@@ -1,10 +1,12 @@
-"""Load a resolved model folder with mlx_lm, ready for float32 CPU serving.
+"""Load a resolved model folder with mlx_lm, ready for serving on mlx's default device.
 
 Quantised and float16 kernels run at 1-5 GFLOP/s on CPU against ~170 for
-float32 matmuls on OpenBLAS, so by default everything is made float32 at load
+float32 matmuls on OpenBLAS, so on the CPU everything is made float32 at load
 time: quantised layers are dequantised (with float32 scales, so no float16
-rounding) and half-precision tensors are cast. Nothing runs at import time;
-call ``load_model`` on the thread that will own the model.
+rounding) and half-precision tensors are cast. On a GPU (CUDA, Metal) the
+quantised and half-precision kernels are the fast ones, so the weights stay as
+stored, as mlx_lm.server keeps them. Nothing runs at import time; call
+``load_model`` on the thread that will own the model.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
-from mlxcel.models import fast_lm
+from mlxcel.models import device, fast_lm
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
@@ -68,9 +70,12 @@ class LoadedModel:
 
 
 def load_model(
-    resolved: ResolvedModel, *, dtype: str = "float32", keep_quantized: bool = False
+    resolved: ResolvedModel, *, dtype: str | None = None, keep_quantized: bool = False
 ) -> LoadedModel:
     """Load ``resolved`` with mlx_lm; blocking, evaluates all weights before returning.
+
+    ``dtype`` None is the device's choice: float32 on the CPU, the stored precision on a GPU,
+    where quantised weights are kept too (``keep_quantized`` is for the CPU).
 
     Raises ``IncompatibleMlxLm`` first when the installed mlx-lm is not one we tested."""
     from mlx_lm.utils import get_total_parameters, load
@@ -78,7 +83,10 @@ def load_model(
     from mlxcel.models import mlx_lm_compat
 
     mlx_lm_compat.install()
-    if dtype not in DTYPES:
+    cpu = device.on_cpu()
+    if dtype is None and cpu:
+        dtype = "float32"
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     # lazy=True: convert first, then evaluate once, so the quantised and the
     # float32 copies of a weight never both sit in memory.
@@ -92,9 +100,12 @@ def load_model(
         raise UnsupportedModel(
             f"cannot load model {resolved.model_id!r} from {resolved.path}: {exc}"
         ) from exc
-    if not keep_quantized:
+    if not keep_quantized and cpu:
         _dequantize(model)
-    _cast(model, DTYPES[dtype])
+    if dtype is None:
+        dtype = _stored_dtype(model)
+    else:
+        _cast(model, DTYPES[dtype])
     mx.eval(model.parameters())
     fast_lm.install(model)  # vectorised softmax / SwiGLU on the CPU (see fast_lm)
 
@@ -193,6 +204,19 @@ def _dequantize(model: Module) -> None:
         replaced.append((name, new))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
+
+
+def _stored_dtype(model: Module) -> str:
+    """The precision most of the weights are in (by size; quantised scales aside)."""
+    from mlx.utils import tree_flatten
+
+    sizes: dict[str, int] = {}
+    for path, value in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())):
+        if path.endswith((".scales", ".biases")) or not mx.issubdtype(value.dtype, mx.floating):
+            continue
+        name = next((n for n, d in DTYPES.items() if d == value.dtype), "float32")
+        sizes[name] = sizes.get(name, 0) + int(value.size)
+    return max(sizes, key=sizes.__getitem__) if sizes else "float32"
 
 
 def _cast(model: Module, dtype: mx.Dtype) -> None:

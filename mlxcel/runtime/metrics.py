@@ -77,7 +77,8 @@ class _Live(Collector):
         if (threads := self.blas_threads()) is not None:
             yield GaugeMetricFamily(
                 "mlxcel_blas_threads",
-                "OpenBLAS threads per matmul now (halved while realtime voice sessions are open).",
+                "OpenBLAS threads per CPU matmul now (halved while realtime voice sessions are "
+                "open; on a GPU the model's matmuls use none).",
                 value=threads,
             )
         s = stats.cache

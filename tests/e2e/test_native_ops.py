@@ -12,6 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlxcel.models import device
 from tests.conftest import ServerProcess
 
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}]}
@@ -118,6 +119,8 @@ def test_props_and_gates(tiny_server: ServerProcess, tiny_model_dir: Path) -> No
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
     assert props["default_generation_settings"]["n_ctx"] == 4096
     assert props["build_info"].startswith("mlxcel-")
+    # The device the server computes on is the one mlx picks here (the same wheel).
+    assert props["device"] == device.describe().label
     assert props["model_ftype"] == "MLX F32"
     # The tiny model's ChatML template takes a system turn and has no tool syntax.
     caps = props["chat_template_caps"]

@@ -301,8 +301,12 @@ class Server:
 
 def ours(model: str, parallel: int, logdir: Path, extra: list[str] | None = None) -> Server:
     port = free_port()
+    # `python -m mlxcel` rather than the console script: the same code, and it runs where
+    # mlxcel is on PYTHONPATH without being installed (tools/bench/gpu.sh's offline mode).
     argv = [
-        str(Path(PY).with_name("mlxcel")),
+        PY,
+        "-m",
+        "mlxcel",
         "serve",
         "-m",
         model,
@@ -689,7 +693,8 @@ def main() -> int:
     ap.add_argument(
         "--keep-quantized",
         action="store_true",
-        help="use a quantised --model as is (mlxcel still dequantises it at load)",
+        help="use a quantised --model as is (mlxcel still dequantises it at load on the CPU; "
+        "on a GPU all three run it as stored)",
     )
     ap.add_argument(
         "--parallel", type=int, default=None, help="mlxcel --parallel (default: max level)"
@@ -727,7 +732,16 @@ def main() -> int:
         model = float32_folder(model)
     parallel = a.parallel or max(levels)
     logdir = Path(tempfile.mkdtemp(prefix="mlxcel-bench-"))
+    # Asked in a child: this process stays free of mlx (it only drives the load).
+    where = subprocess.run(
+        [PY, "-c", "from mlxcel.models import device; print(device.describe().label)"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     print(
+        f"device: {where.stdout.strip() or where.stderr.strip()}\n"
         f"model: {model}\nlevels: {levels}, tokens/request: {a.tokens}, "
         f"requests/level: {[n_for(c) for c in levels]}, logs: {logdir}",
         flush=True,

@@ -22,6 +22,9 @@ class ModelInfo:
     context_length: int
     chat_template: str | None
     description: str = ""
+    # Where the model computes, as ``models.device.DeviceInfo.label`` says it: "cpu",
+    # "gpu (cuda: NVIDIA H200)"; empty for a backend without mlx (the test fake).
+    device: str = ""
     # llama-server's `/v1/models` meta for the model (vocab_type, n_vocab, n_ctx_train,
     # n_embd, n_params, size) and its ftype ("MLX F32", "MLX Q4", ...); empty when unknown.
     meta: dict[str, Any] = attrs.field(factory=dict)

@@ -11,6 +11,12 @@ that count for each distinct layer of the loaded model, once, and makes the laye
 batch with zero rows up to it (the padding costs little: a step's matmuls are bound by reading
 the weights, not by the rows). A layer with no such count up to ``MAX_ROWS``, or a norm that is
 not row-wise, is reported and the server does not start in this mode.
+
+Nothing here is BLAS-specific but the numbers above: ``prepare`` compares bits of whatever the
+default device computes. On a GPU (CUDA, Metal) mlx's matmul kernels also pick their tiling by
+shape, so the floors it finds are that GPU's, and where no row count up to ``MAX_ROWS`` agrees
+the mode is refused at start, as on the CPU. Decode attention on a GPU is mlx's fused kernel
+run one row at a time (``fast_lm``), so a row's shapes are the same alone or in a batch.
 """
 
 from __future__ import annotations

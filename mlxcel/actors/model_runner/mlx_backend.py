@@ -25,7 +25,7 @@ from mlxcel.actors.model_runner.memory import release_idle_memory
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.models import fast_lm, mlx_lm_compat
+from mlxcel.models import device, fast_lm, mlx_lm_compat
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -65,6 +65,7 @@ class MlxBackend:
             context_length=ctx,
             chat_template=loaded.chat_template,
             description=f"{loaded.model_id} ({loaded.dtype})",
+            device=device.describe().label,
             meta=model_meta(loaded),
         )
         mlx_lm_compat.install()  # once per process; the loader did it already
