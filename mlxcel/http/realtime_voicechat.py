@@ -9,6 +9,7 @@ into the wire payloads of its vocabulary (``realtime_wire.py`` adds ``event_id``
 
 from __future__ import annotations
 
+import abc
 from typing import Any, assert_never
 
 from mlxcel.actors.realtime import events as ev
@@ -159,8 +160,9 @@ def _common_field(patch: SessionPatch, key: str, value: object, param: str) -> b
     return True
 
 
-class CommonEvents:
-    """Events both vocabularies spell the same way, and the dispatch from a typed event."""
+class CommonEvents(abc.ABC):
+    """Events both vocabularies spell the same way, and the dispatch from a typed event; each
+    vocabulary spells the abstract ones its own way."""
 
     def render(self, event: ev.ServerEvent) -> list[Event]:
         """The wire payloads of one server event (without ``event_id``)."""
@@ -198,38 +200,38 @@ class CommonEvents:
             case _:
                 assert_never(event)
 
-    def session_created(self, sid: str, cfg: SessionConfig) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def session_created(self, sid: str, cfg: SessionConfig) -> list[Event]: ...
 
-    def session_updated(self, sid: str, cfg: SessionConfig) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def session_updated(self, sid: str, cfg: SessionConfig) -> list[Event]: ...
 
-    def committed(self, item_id: str, previous: str | None) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def committed(self, item_id: str, previous: str | None) -> list[Event]: ...
 
-    def user_item(self, item_id: str, previous: str | None, text: str | None) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def user_item(self, item_id: str, previous: str | None, text: str | None) -> list[Event]: ...
 
-    def transcript(self, item_id: str, text: str) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def transcript(self, item_id: str, text: str) -> list[Event]: ...
 
-    def response_created(self, r: ResponseState) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def response_created(self, r: ResponseState) -> list[Event]: ...
 
-    def text_delta(self, r: ResponseState, delta: str) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def text_delta(self, r: ResponseState, delta: str) -> list[Event]: ...
 
-    def audio_delta(self, r: ResponseState, b64: str) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def audio_delta(self, r: ResponseState, b64: str) -> list[Event]: ...
 
-    def spoken(self, r: ResponseState, piece: str) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def spoken(self, r: ResponseState, piece: str) -> list[Event]: ...
 
-    def response_done(self, r: ResponseState) -> list[Event]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def response_done(self, r: ResponseState) -> list[Event]: ...
 
-    def error(self, code: str, message: str, param: str | None) -> Event:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def error(self, code: str, message: str, param: str | None) -> Event: ...
 
     def speech_started(self, item_id: str, ms: int) -> list[Event]:
         return [
