@@ -273,6 +273,22 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "prompt cache (costs speed; env: MLXCEL_BATCH_INVARIANT)",
     )
     p.add_argument(
+        "--no-spec-ngram",
+        dest="spec_ngram",
+        action="store_false",
+        default=_env_bool("MLXCEL_SPEC_NGRAM", True),
+        help="turn off n-gram speculation (on by default: a row proposes the continuation of "
+        "its own earlier text and the batch step checks it, while that pays; "
+        "env: MLXCEL_SPEC_NGRAM=0)",
+    )
+    opt(
+        "--spec-ngram-max",
+        env="MLXCEL_SPEC_NGRAM_MAX",
+        type=int,
+        default=16,
+        help="most tokens an n-gram proposal may have (0 turns speculation off)",
+    )
+    p.add_argument(
         "--no-context-shift",
         dest="context_shift",
         action="store_false",
@@ -754,6 +770,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         slot_save_path=slot_save_path(args.slot_save_path),
         context_shift=args.context_shift,
         batch_invariant=args.batch_invariant,
+        spec_ngram=args.spec_ngram,
+        spec_ngram_max=args.spec_ngram_max,
         n_keep=args.keep,
         props_endpoint=args.props,
         embedding_model=args.embedding_model,

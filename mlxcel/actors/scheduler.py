@@ -205,6 +205,10 @@ class Scheduler:
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.placed(n)
                 self._metrics.record_cached(n)
+        for rid, proposed, accepted in output.drafts:
+            self._metrics.record_drafts("ngram", proposed, accepted)
+            if (item := self._state.running.get(rid)) is not None:
+                item.slot.drafted(proposed, accepted)
         for rid in output.shifted:
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.context_shifted = True

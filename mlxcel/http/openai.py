@@ -57,13 +57,14 @@ def _ms(a: float | None, b: float | None) -> float:
 
 
 def timings(slot: OutputSlot) -> dict[str, float]:
-    """llama-server's `timings` object for a request so far."""
+    """llama-server's `timings` object for a request so far (with its draft counts when
+    speculation proposed tokens for it, as llama-server adds them)."""
     prompt_n = slot.prompt_tokens - slot.cached_tokens
     prompt_ms = _ms(slot.started_at, slot.first_token_at)
     end = slot.finished_at if slot.finished_at is not None else time.monotonic()
     predicted_ms = _ms(slot.first_token_at, end)
     n = slot.completion_tokens
-    return {
+    out = {
         "cache_n": slot.cached_tokens,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
@@ -74,6 +75,10 @@ def timings(slot: OutputSlot) -> dict[str, float]:
         "predicted_per_token_ms": predicted_ms / n if n else 0.0,
         "predicted_per_second": n * 1000.0 / predicted_ms if predicted_ms else 0.0,
     }
+    if slot.draft_n:
+        out["draft_n"] = slot.draft_n
+        out["draft_n_accepted"] = slot.draft_n_accepted
+    return out
 
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}

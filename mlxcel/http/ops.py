@@ -27,6 +27,7 @@ from mlxcel.runtime.errors import (
     UnsupportedField,
 )
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams, SlotAction, SlotReply
+from mlxcel.runtime.settings import Settings
 
 bp = Blueprint("ops", __name__)
 
@@ -43,6 +44,13 @@ def _gated(what: str, flag: str) -> Response:
 
 def _json(obj: object) -> Response:
     return Response(json.dumps(obj, ensure_ascii=False), content_type="application/json")
+
+
+def _speculative(settings: Settings) -> dict[str, Any]:
+    """/props ``speculative``: n-gram speculation needs no second model."""
+    if not settings.speculating:
+        return {"model": None, "kind": None, "n_max": 0}
+    return {"model": None, "kind": "ngram", "n_max": settings.spec_ngram_max}
 
 
 def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
@@ -187,7 +195,7 @@ async def props() -> Response:
             # The KV cache is kept in the model's own precision: no KV quantisation here.
             "kv_cache_mode": "full",
             "kv_bits": None,
-            "speculative": {"model": None, "kind": None, "n_max": 0},
+            "speculative": _speculative(ctx.settings),
             "geometry": {
                 "n_batch": ctx.settings.prefill_chunk_size,
                 "n_ubatch": ctx.settings.prefill_chunk_size,
@@ -227,6 +235,7 @@ async def slots() -> Response:
             "id": i,
             "n_ctx": ctx.info.context_length,
             "is_processing": item is not None,
+            "speculative": ctx.settings.speculating,
             "id_task": -1,
             # A busy slot shows the settings its request runs with, as llama-server's do.
             # (stream is not known past the route; llama-server's slots show it.)

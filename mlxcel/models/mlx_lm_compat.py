@@ -16,7 +16,11 @@ mlxcel names a private attribute of mlx-lm:
 - ``install`` replaces ``BatchKVCache.extend`` with a version that copies the batch once;
 - ``swap_model_functions`` puts ``fast_lm``'s attention and SwiGLU into the modules of
   ``mlx_lm.models`` that a loaded model's classes come from, and ``batch_left_padding`` tells
-  that attention a plain batch cache's rows' padding (``--batch-invariant``).
+  that attention a plain batch cache's rows' padding (``--batch-invariant``);
+- speculation (``actors/model_runner/speculative_batch.py``) feeds a batch several tokens per
+  row and takes back each row's rejected ones (``rewind_rows``, through ``BatchKVCache``'s
+  right-padding roll), and sets a batch's pending tokens (``set_next_tokens``) and the state
+  its logits processors see (``token_context``, ``set_current``).
 
 These names are known good only for the mlx-lm versions in ``TESTED`` (pyproject.toml pins the
 same range; ``tests/unit/test_mlx_lm_compat.py`` keeps the two equal and compares our patches
@@ -67,7 +71,12 @@ __all__ = [
     "row_counters",
     "row_stages",
     "set_generation_batch",
+    "set_current",
     "set_next_logprobs",
+    "set_next_tokens",
+    "rewind_rows",
+    "rewindable",
+    "token_context",
     "set_prompt_batch",
     "set_reading",
     "swap_model_functions",
@@ -97,7 +106,15 @@ _GENERATOR_ATTRS = (
     "_currently_processing",
     "_find_uids",
 )
-_BATCH_ATTRS = ("_next_tokens", "_next_logprobs", "_num_tokens", "_matchers")
+_BATCH_ATTRS = (
+    "_next_tokens",
+    "_next_logprobs",
+    "_num_tokens",
+    "_matchers",
+    "_token_context",
+    "_current_tokens",
+    "_current_logprobs",
+)
 
 _lock = threading.Lock()
 _installed = False
@@ -254,6 +271,21 @@ def set_next_logprobs(batch: Any, logprobs: list[Any]) -> None:
     batch._next_logprobs = logprobs
 
 
+def set_next_tokens(batch: Any, tokens: Any) -> None:
+    batch._next_tokens = tokens
+
+
+def set_current(batch: Any, tokens: Any, logprobs: list[Any]) -> None:
+    """What the step just taken fed and reported (mlx-lm keeps them for ``extend``)."""
+    batch._current_tokens = tokens
+    batch._current_logprobs = logprobs
+
+
+def token_context(batch: Any, i: int) -> Any:
+    """Row ``i``'s history as its logits processors see it (``update_and_fetch(tokens)``)."""
+    return batch._token_context[i]
+
+
 def row_counters(batch: Any) -> tuple[list[int], list[Any]]:
     """Per row, the tokens it has made, and its stop-sequence matcher (``advance(token)``)."""
     return batch._num_tokens, batch._matchers
@@ -376,3 +408,28 @@ def batch_left_padding(cache: Any) -> list[int] | None:
         return None
     padding: mx.array = cache.left_padding
     return [int(p) for p in cast(list[int], padding.tolist())]
+
+
+def rewindable(caches: list[Any]) -> bool:
+    """Whether ``rewind_rows`` can take tokens back from these layer caches: plain batch
+    caches only (a rotating cache has overwritten what it would restore, and a state-space
+    layer's state cannot be rewound)."""
+    return bool(caches) and all(type(c) is BatchKVCache for c in caches)
+
+
+def rewind_rows(caches: list[Any], rejected: list[int]) -> None:
+    """Drop each row's last ``rejected[i]`` tokens from every layer's batch cache.
+
+    The tokens all rows drop are trimmed off the end (free); a row that drops more than the
+    fewest is rolled right by the difference and that much left padding added, which is what
+    ``BatchKVCache.finalize`` does for a right-padded prompt (one copy of the layer's cache).
+    """
+    least = min(rejected)
+    extra = [r - least for r in rejected]
+    rolled = any(extra)
+    for c in caches:
+        if least:
+            c.trim(least)
+        if rolled:
+            c._right_padding = mx.array(extra)
+            c.finalize()

@@ -348,6 +348,8 @@ class StepOutput:
     cache: CacheStats | None = None
     # Requests whose context was shifted in this step (--context-shift).
     shifted: tuple[str, ...] = ()
+    # Speculation, per request that proposed tokens in this step: (id, proposed, accepted).
+    drafts: tuple[tuple[str, int, int], ...] = ()
 
 
 @attrs.frozen

@@ -158,6 +158,18 @@ class Metrics:
         self.requests = Counter(
             "mlxcel_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
         )
+        self.spec_proposed = Counter(
+            "mlxcel_spec_proposed_tokens",
+            "Tokens proposed by speculation, by proposer.",
+            ["proposer"],
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "mlxcel_spec_accepted_tokens",
+            "Proposed tokens the model accepted, by proposer.",
+            ["proposer"],
+            registry=r,
+        )
         self.aborts = Counter(
             "mlxcel_aborts", "Requests abandoned by their client before finishing.", registry=r
         )
@@ -189,6 +201,10 @@ class Metrics:
     def _hit_ratio(self) -> None:
         total = self._cached + self._prompt[0]
         self.prompt_cache_hit_ratio.set(self._cached / total if total else 0.0)
+
+    def record_drafts(self, proposer: str, proposed: int, accepted: int) -> None:
+        self.spec_proposed.labels(proposer).inc(proposed)
+        self.spec_accepted.labels(proposer).inc(accepted)
 
     def record_step(self, *, seconds: float, busy: int, prefill: int, decoded: int) -> None:
         """One model step: its wall time goes to prompt processing if it read prompt tokens."""

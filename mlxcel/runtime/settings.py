@@ -84,6 +84,10 @@ class Settings:
     # --batch-invariant: a seeded request's tokens do not depend on what runs beside it
     # (decode attention per row, prompts read one at a time, seeded prompts not from cache).
     batch_invariant: bool = False
+    # N-gram speculation (--no-spec-ngram, --spec-ngram-max): rows propose continuations of
+    # their own earlier text and check them in the batch step, while it pays.
+    spec_ngram: bool = True
+    spec_ngram_max: int = 16
     # --keep: prompt tokens a shift always keeps (-1: the whole prompt); requests' n_keep.
     n_keep: int = 0
     props_endpoint: bool = False
@@ -118,6 +122,17 @@ class Settings:
     audio_request_timeout_secs: float = 120.0
     # Realtime voice WebSocket sessions open at once (more: error server_busy, close 1013).
     realtime_max_sessions: int = 8
+
+    @property
+    def speculating(self) -> bool:
+        """N-gram speculation runs: asked for, and not in a mode that keeps rows to one token
+        a step (``--batch-invariant``, ``--context-shift``)."""
+        return (
+            self.spec_ngram
+            and self.spec_ngram_max > 0
+            and not self.batch_invariant
+            and not self.context_shift
+        )
 
     @property
     def cache_enabled(self) -> bool:

@@ -168,6 +168,9 @@ class OutputSlot:
         # prefill chunk, kept only for a reader that asked and until it takes them.
         self._progress: list[tuple[int, float]] | None = None
         self._progress_mark = -1
+        # Speculation: tokens proposed for this request and those the model accepted.
+        self.draft_n = 0
+        self.draft_n_accepted = 0
 
     @property
     def n(self) -> int:
@@ -195,6 +198,10 @@ class OutputSlot:
     def accept(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
         self._accepted.set()
+
+    def drafted(self, proposed: int, accepted: int) -> None:
+        self.draft_n += proposed
+        self.draft_n_accepted += accepted
 
     def placed(self, cached_tokens: int) -> None:
         """The request joined the batch, with this many prompt tokens from the prompt cache."""

@@ -90,12 +90,18 @@ class PrimedGenerationBatch(GenerationBatch):
         super().filter(keep)
         self._starts = [self._starts[i] for i in keep]
 
+    def _emit(self) -> list[list[tuple[int, Any]]]:
+        """Take one step; per row, the tokens it reports with the distribution each was drawn
+        from (one here; a speculative step may report several)."""
+        tokens, logprobs = self._step()
+        return [[(t, lp)] for t, lp in zip(tokens, logprobs, strict=True)]
+
     def next(self) -> list[Any]:
         """mlx-lm's ``next``, but primed rows report the token sampled in this step, and
         rows that reported it already report nothing."""
         if not self.uids:
             return []
-        tokens, logprobs = self._step()
+        emitted = self._emit()
         starts = self._starts
         first: list[int] = []
         dists: list[Any] = []
@@ -113,40 +119,54 @@ class PrimedGenerationBatch(GenerationBatch):
                 continue
             if starts[i] == PRIMED:
                 starts[i] = REPORTED
-                token, dist = first[i], dists[i]
+                items = [(first[i], dists[i])]
             else:
-                token, dist = tokens[i], logprobs[i]
-            finish_reason = None
-            counts[i] += 1
-            if counts[i] >= self.max_tokens[i]:
-                finish_reason = "length"
-            if matchers[i].advance(token):
-                finish_reason = "stop"
-            done = finish_reason is not None
+                items = emitted[i]
+            done = False
+            for token, dist in items:
+                finish_reason = None
+                counts[i] += 1
+                if counts[i] >= self.max_tokens[i]:
+                    finish_reason = "length"
+                if matchers[i].advance(token):
+                    finish_reason = "stop"
+                done = finish_reason is not None
+                responses.append(
+                    self.Response(
+                        uid=uid,
+                        token=token,
+                        logprobs=dist,
+                        finish_reason=finish_reason,
+                        # The cache and its tokens agree: a token reported early is in
+                        # neither (tokens a row read past its end are in both).
+                        prompt_cache=self.extract_cache(i) if done else None,
+                        all_tokens=self.tokens[i] if done else None,
+                    )
+                )
+                if done:
+                    break
             if not done:
                 keep.append(i)
-            responses.append(
-                self.Response(
-                    uid=uid,
-                    token=token,
-                    logprobs=dist,
-                    finish_reason=finish_reason,
-                    # The cache and its tokens agree: a token reported early is in neither.
-                    prompt_cache=self.extract_cache(i) if done else None,
-                    all_tokens=self.tokens[i] if done else None,
-                )
-            )
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
 
 
 class EagerStartBatchGenerator(BatchGenerator):
-    def __init__(self, *args: Any, hold: Callable[[int], bool], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        hold: Callable[[int], bool],
+        batch: Callable[[Any, Any], PrimedGenerationBatch] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``batch(model, fallback_sampler)`` makes the (empty) generation batch every row
+        joins: a ``PrimedGenerationBatch`` by default, a speculating one when asked."""
         super().__init__(*args, **kwargs)
         compat.check_generator(self)
         self._hold = hold
-        compat.set_generation_batch(self, PrimedGenerationBatch.empty(self.model, self.sampler))
+        make = batch if batch is not None else PrimedGenerationBatch.empty
+        compat.set_generation_batch(self, make(self.model, self.sampler))
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         started = self._start_unread_rows()

@@ -24,6 +24,7 @@ from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.memory import release_idle_memory
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
+from mlxcel.actors.model_runner.speculative_batch import Speculation, SpeculativeGenerationBatch
 from mlxcel.actors.reasoning import detect_reasoning
 from mlxcel.models import device, fast_lm, mlx_lm_compat
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
@@ -81,10 +82,20 @@ class MlxBackend:
         self._invariant = settings.batch_invariant
         # Rows reading a prompt for a request with more choices to fork once it is read.
         self._forks: dict[int, InsertSequence] = {}
+        # N-gram speculation (speculative_batch says which rows and modes do without it).
+        self._spec = Speculation(settings.spec_ngram_max, ctx) if settings.speculating else None
+        spec = self._spec
         self._gen = EagerStartBatchGenerator(
             loaded.model,
             # A row whose choices fork from its prompt cache keeps mlx-lm's pace (see _fork).
             hold=self._forks.__contains__,
+            batch=(
+                None
+                if spec is None
+                else lambda model, sampler: SpeculativeGenerationBatch.speculating(
+                    model, sampler, spec
+                )
+            ),
             max_tokens=ctx,
             stop_tokens=[[t] for t in sorted(loaded.eos_token_ids)],
             completion_batch_size=settings.parallel,
@@ -157,14 +168,15 @@ class MlxBackend:
         self._busy = True
 
         prompt_responses, generation_responses = self._gen.next()
+        drafts = self._drafts(bool(prompt_responses))
         errors = self._failed_guides(generation_responses) if self._guides else ()
         scored = self._score(generation_responses) if self._logprobs else {}
         tokens = []
-        for r in generation_responses:
+        for n, r in enumerate(generation_responses):
             rid = self._rid_by_uid.get(r.uid)
-            if rid is None:  # its request failed by a guide just now
+            if rid is None:  # its request failed by a guide (or finished) just now
                 continue
-            lp, top = scored.get(r.uid, (None, ()))
+            lp, top = scored.get(n, (None, ()))
             choice = self._choice_by_uid[r.uid]
             tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top, choice))
             if r.finish_reason is not None:
@@ -197,7 +209,26 @@ class MlxBackend:
             cached=cached,
             cache=self._stats(),
             shifted=shifted_rids,
+            drafts=drafts,
         )
+
+    def _drafts(self, read_prompts: bool) -> tuple[tuple[str, int, int], ...]:
+        """Per request, the tokens proposed and accepted in this step."""
+        if self._spec is None:
+            return ()
+        if read_prompts:
+            # The step also read prompt chunks: its time says nothing of the decode's cost.
+            self._spec.policy.costs.idle()
+        if not self._spec.last_step:
+            return ()
+        out: dict[str, tuple[int, int]] = {}
+        for uid, (proposed, accepted) in self._spec.last_step.items():
+            rid = self._rid_by_uid.get(uid)
+            if rid is not None:
+                p, a = out.get(rid, (0, 0))
+                out[rid] = (p + proposed, a + accepted)
+        self._spec.last_step = {}
+        return tuple((rid, p, a) for rid, (p, a) in out.items())
 
     def _shift_full_rows(self, responses: list[Any]) -> tuple[str, ...]:
         """Rows whose context is full leave the batch and join again with their kept tokens
@@ -279,13 +310,18 @@ class MlxBackend:
     def _score(
         self, responses: list[Any]
     ) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-        """Log-probabilities for the rows that asked, in one evaluation for the whole step."""
-        rows = [(r, self._logprobs[r.uid]) for r in responses if r.uid in self._logprobs]
+        """Log-probabilities for the tokens of rows that asked, in one evaluation for the whole
+        step, by the token's place in ``responses`` (a speculating row reports several)."""
+        rows = [
+            (n, r, self._logprobs[r.uid])
+            for n, r in enumerate(responses)
+            if r.uid in self._logprobs
+        ]
         if not rows:
             return {}
-        dist = mx.stack([r.logprobs for r, _ in rows])
-        chosen = mx.take_along_axis(dist, mx.array([[r.token] for r, _ in rows]), axis=-1)
-        k = max(k for _, k in rows)
+        dist = mx.stack([r.logprobs for _, r, _ in rows])
+        chosen = mx.take_along_axis(dist, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
+        k = max(k for _, _, k in rows)
         ids_list: list[list[int]]
         vals_list: list[list[float]]
         if k > 0:
@@ -299,9 +335,9 @@ class MlxBackend:
             ids_list, vals_list = [[] for _ in rows], [[] for _ in rows]
         out = {}
         chosen_list = cast(list[list[float]], chosen.tolist())
-        for (r, want), c, ids, vals in zip(rows, chosen_list, ids_list, vals_list, strict=True):
+        for (n, _, want), c, ids, vals in zip(rows, chosen_list, ids_list, vals_list, strict=True):
             top = sorted(zip(ids, vals, strict=True), key=lambda p: -p[1])[:want]
-            out[r.uid] = (float(c[0]), tuple((int(i), float(v)) for i, v in top))
+            out[n] = (float(c[0]), tuple((int(i), float(v)) for i, v in top))
         return out
 
     def _stats(self) -> CacheStats:

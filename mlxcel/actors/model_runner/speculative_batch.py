@@ -1,0 +1,211 @@
+"""The generation batch with n-gram speculation: rows that have a proposal check it in the same
+batched model pass as the rows that decode one token.
+
+A step that speculates feeds every row ``width + 1`` tokens: its pending token (sampled last
+step, as mlx-lm's pipeline has it) and then its proposal, padded with repeats of the pending
+token where it is shorter (or absent: a row that only decodes). Each position is sampled with
+the row's own sampler, as if the tokens before it had been decoded one by one, and the
+proposal is kept up to its first token that differs from that sample; the sample at that point
+becomes the row's pending token. So:
+
+- at temperature 0 every token is the argmax the plain step would take;
+- with sampling, a proposed token is kept exactly when a draw from the model's (filtered)
+  distribution gives it, and otherwise that draw is used instead: with a proposal that is one
+  fixed token (no draft distribution), this is the standard rejection rule, and the output
+  follows the model's distribution as without speculation.
+
+The KV cache keeps only accepted tokens: what every row rejected is trimmed off the end, and a
+row that rejected more is rolled right and padded (``mlx_lm_compat.rewind_rows``).
+
+Rows that do not speculate (they still ride along in a speculative step, decoding one token):
+rows with logits processors (penalties, logit bias, DRY, grammars and forced tools, thinking
+budgets: each processor sees one token at a time), seeded rows with a random sampler (their
+draws must not depend on how far a proposal got), rows at their first token (eager start), and
+rows too close to their token or context limit. ``--batch-invariant`` and ``--context-shift``
+turn speculation off (their row bookkeeping is one token a step).
+
+Not pipelined: a step that speculates must know each row's pending token before it proposes
+(a host sync, ~4 ms on this CPU), and its outcome before the next step. ``speculation.Policy``
+counts that in the costs it measures.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import attrs
+import mlx.core as mx
+
+from mlxcel.actors.model_runner.eager_start import NORMAL, PrimedGenerationBatch
+from mlxcel.actors.model_runner.sampler_chain import SeededSampler
+from mlxcel.actors.model_runner.speculation import NgramIndex, Policy, RowStats
+from mlxcel.models import mlx_lm_compat as compat
+
+
+@attrs.define
+class _RowState:
+    index: NgramIndex = attrs.field(factory=NgramIndex)
+    stats: RowStats = attrs.field(factory=RowStats)
+    # How many of the batch's tokens for this row the index holds (it may hold one more:
+    # the pending token, which the step about to run appends).
+    fed: int = 0
+
+
+class Speculation:
+    """What the generation batch needs to speculate, and what it reports per step."""
+
+    def __init__(self, max_tokens: int, context_length: int) -> None:
+        self.policy = Policy(max_tokens)
+        self.context_length = context_length
+        self.rows: dict[int, _RowState] = {}
+        # uid -> (tokens proposed, tokens accepted) in the last step; read by the backend.
+        self.last_step: dict[int, tuple[int, int]] = {}
+
+    def forget(self, live: set[int]) -> None:
+        for uid in [u for u in self.rows if u not in live]:
+            del self.rows[uid]
+
+
+class SpeculativeGenerationBatch(PrimedGenerationBatch):
+    speculation: Speculation | None = None
+
+    @classmethod
+    def speculating(cls, model: Any, sampler: Any, speculation: Speculation) -> Any:
+        batch = cls.empty(model, sampler)
+        batch.speculation = speculation
+        return batch
+
+    # mlx-lm types both lists as optional; a generator's batch always has one entry per row.
+    @property
+    def _samplers(self) -> list[Any]:
+        return cast(list[Any], self.samplers)
+
+    @property
+    def _processors(self) -> list[list[Any]]:
+        return cast(list[list[Any]], self.logits_processors)
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        if self.speculation is not None:
+            self.speculation.forget(set(self.uids))
+            if not self.uids:  # the next step starts after a pause, not after this one
+                self.speculation.policy.costs.idle()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def _emit(self) -> list[list[tuple[int, Any]]]:
+        spec = self.speculation
+        if spec is None or self._priming or not self.uids:
+            return super()._emit()
+        spec.last_step = {}
+        rows = len(self.uids)
+        now = time.perf_counter()
+        policy = spec.policy
+        eligible = [self._state(i) if self._may_speculate(i) else None for i in range(rows)]
+        stats = [s.stats if s is not None else None for s in eligible]
+        if not any(eligible) or not policy.worth_looking(rows, stats):
+            policy.costs.started(rows, 1, now)
+            return super()._emit()
+        for s in eligible:
+            if s is not None:
+                s.stats.idle = 0
+        pending_array = compat.next_tokens(self)
+        mx.eval(pending_array)
+        pending = cast(list[int], pending_array.tolist())
+        proposals: list[list[int]] = []
+        for i, state in enumerate(eligible):
+            if state is None:
+                proposals.append([])
+                continue
+            tokens = self.tokens[i]
+            state.index.extend(tokens[state.fed :] + [pending[i]])
+            state.fed = len(tokens) + 1
+            proposals.append(state.index.propose(self._room(i)))
+        choice = policy.choose(
+            rows,
+            [(s.stats, len(p)) for s, p in zip(eligible, proposals, strict=True) if s and p],
+        )
+        if choice.width == 0:
+            policy.costs.started(rows, 1, now)
+            return super()._emit()
+        policy.costs.started(rows, choice.width + 1, now)
+        proposals = [p[: choice.width] for p in proposals]
+        return self._verify(pending_array, pending, proposals, choice.width)
+
+    def _may_speculate(self, i: int) -> bool:
+        sampler = self._samplers[i]
+        return (
+            self._starts[i] == NORMAL
+            and not self._processors[i]
+            and not isinstance(sampler, SeededSampler)
+            and compat.rewindable(self.prompt_cache)
+        )
+
+    def _state(self, i: int) -> _RowState:
+        assert self.speculation is not None
+        uid = self.uids[i]
+        state = self.speculation.rows.get(uid)
+        if state is None:
+            state = self.speculation.rows[uid] = _RowState()
+        return state
+
+    def _room(self, i: int) -> int:
+        """How many tokens row ``i`` may be proposed: it ends at its token limit or at the
+        context's end, and the pending token and the sample after the proposal count."""
+        assert self.speculation is not None
+        counts, _ = compat.row_counters(self)
+        left = self.max_tokens[i] - counts[i] - 1
+        context = self.speculation.context_length - len(self.tokens[i]) - 2
+        return min(self.speculation.policy.max_tokens, left, context)
+
+    def _verify(
+        self, pending_array: mx.array, pending: list[int], proposals: list[list[int]], width: int
+    ) -> list[list[tuple[int, Any]]]:
+        assert self.speculation is not None
+        rows = len(self.uids)
+        fed = [[t, *p, *([t] * (width - len(p)))] for t, p in zip(pending, proposals, strict=True)]
+        logits = self.model(mx.array(fed), cache=self.prompt_cache)  # [rows, width + 1, V]
+        dists: list[mx.array] = []
+        draws: list[mx.array] = []
+        contexts = []
+        for i in range(rows):
+            processors = self._processors[i]
+            if processors:
+                # Never proposing: position 0 only, through its processors as mlx-lm does.
+                row = logits[i : i + 1, 0]
+                context = compat.token_context(self, i).update_and_fetch(pending_array[i : i + 1])
+                contexts.append(context)
+                for processor in processors:
+                    row = processor(context, row)
+            else:
+                row = logits[i, : len(proposals[i]) + 1]
+            dist = row - mx.logsumexp(row, axis=-1, keepdims=True)
+            sampler = self._samplers[i] or self.fallback_sampler
+            dists.append(dist)
+            draws.append(sampler(dist))
+        mx.eval(draws, dists, contexts)
+        drawn = [cast(list[int], d.tolist()) for d in draws]
+        previous = compat.next_logprobs(self)
+        emitted: list[list[tuple[int, Any]]] = []
+        rejected: list[int] = []
+        bonus: list[int] = []
+        for i, uid in enumerate(self.uids):
+            proposal, sample = proposals[i], drawn[i]
+            kept = 0
+            while kept < len(proposal) and sample[kept] == proposal[kept]:
+                kept += 1
+            out = [(pending[i], previous[i])]
+            out += [(proposal[m], dists[i][m]) for m in range(kept)]
+            emitted.append(out)
+            self.tokens[i].extend([pending[i], *proposal[:kept]])
+            rejected.append(width - kept)
+            bonus.append(sample[kept])
+            if proposal:
+                self.speculation.rows[uid].stats.record(len(proposal), kept)
+                self.speculation.last_step[uid] = (len(proposal), kept)
+        compat.rewind_rows(self.prompt_cache, rejected)
+        compat.set_current(self, pending_array, previous)
+        compat.set_next_tokens(self, mx.array(bonus))
+        compat.set_next_logprobs(self, [dists[i][len(emitted[i]) - 1] for i in range(rows)])
+        return emitted

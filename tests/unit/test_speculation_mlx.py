@@ -1,0 +1,134 @@
+"""N-gram speculation on the real MLX backend (tiny random llama): with proposals checked every
+step, every request gets the tokens, finish reasons and log-probabilities it gets without
+speculation, whatever else runs beside it (choices, penalties, logprobs, token limits)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxcel.actors.model_runner.mlx_backend import MlxBackend
+from mlxcel.actors.model_runner.speculation import Choice, StepCosts
+from mlxcel.runtime.messages import InsertSequence, SamplingParams, StepPlan
+from mlxcel.runtime.settings import Settings
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> Any:
+    from mlxcel.models.loader import load_model
+    from mlxcel.models.resolve import resolve_model
+
+    return load_model(resolve_model(str(tiny_model_dir)))
+
+
+class Always:
+    """Speculate every step that has a proposal, this far."""
+
+    def __init__(self, width: int) -> None:
+        self.width = self.max_tokens = width
+        self.costs = StepCosts()
+
+    def worth_looking(self, rows: int, stats: list[Any]) -> bool:
+        return True
+
+    def choose(self, rows: int, proposals: list[Any]) -> Choice:
+        return Choice(self.width if proposals else 0, 2.0)
+
+
+def _run(
+    loaded: Any, inserts: list[InsertSequence], *, spec: bool, width: int = 4
+) -> tuple[dict[tuple[str, int], list[Any]], dict[tuple[str, int], str], int, int]:
+    """Tokens (with log-probabilities) and finish reasons per (request, choice), and the
+    tokens proposed and accepted over the run."""
+    backend = MlxBackend(
+        loaded, Settings(parallel=8, cache_ram_mib=0, prefill_chunk_size=16, spec_ngram=spec)
+    )
+    if spec:
+        assert backend._spec is not None
+        backend._spec.policy = Always(width)  # type: ignore[assignment]  # a test double
+    tokens: dict[tuple[str, int], list[Any]] = {}
+    finish: dict[tuple[str, int], str] = {}
+    proposed = accepted = 0
+    plan = StepPlan(inserts=(inserts[0],))
+    later = list(inserts[1:])
+    for step in range(400):
+        out = backend.apply(plan)
+        # The others join while the first decodes: rows join a batch that speculates.
+        plan = StepPlan(inserts=(later.pop(0),)) if later and step % 3 == 2 else StepPlan()
+        for t in out.tokens:
+            tokens.setdefault((t.request_id, t.choice), []).append(
+                (t.token, t.logprob, t.top_logprobs)
+            )
+            if t.finish_reason is not None:
+                finish[t.request_id, t.choice] = t.finish_reason
+        for _, p, a in out.drafts:
+            proposed, accepted = proposed + p, accepted + a
+        if not backend._rid_by_uid and not later:
+            break
+    return tokens, finish, proposed, accepted
+
+
+LOOP = tuple([5, 6, 7, 8, 9] * 6)
+
+
+@pytest.fixture(scope="module")
+def echo(loaded: Any) -> tuple[int, ...]:
+    """A prompt that holds the model's own continuation of ``LOOP`` (with two tokens changed)
+    and then ``LOOP`` again: a row reading it has a long proposal that is mostly right."""
+    first, _, _, _ = _run(
+        loaded, [InsertSequence("c", LOOP, 40, GREEDY, ignore_eos=True)], spec=False
+    )
+    said = [t for t, _, _ in first["c", 0]]
+    said[12], said[30] = 11, 12
+    return LOOP + tuple(said) + LOOP
+
+
+def _inserts(echo: tuple[int, ...]) -> list[InsertSequence]:
+    loop = LOOP
+    return [
+        InsertSequence("copy", echo, 48, GREEDY, ignore_eos=True),
+        InsertSequence("lp", (3, 4, 3, 4, 3, 4, 3), 30, GREEDY, logprobs=3, ignore_eos=True),
+        InsertSequence("two", tuple(range(20, 40)) * 2, 25, GREEDY, n=2, ignore_eos=True),
+        # A row with a logits processor rides along without speculating.
+        InsertSequence(
+            "pen",
+            loop,
+            20,
+            SamplingParams(temperature=0.0, repetition_penalty=1.3),
+            ignore_eos=True,
+        ),
+        InsertSequence("short", loop, 3, GREEDY, ignore_eos=True),
+        InsertSequence("eos", (1, 2, 3) * 5, 60, GREEDY),
+    ]
+
+
+@pytest.mark.parametrize("width", [2, 8])
+def test_speculation_changes_no_token(loaded: Any, echo: tuple[int, ...], width: int) -> None:
+    plain, plain_finish, p0, _ = _run(loaded, _inserts(echo), spec=False)
+    spec, spec_finish, proposed, accepted = _run(loaded, _inserts(echo), spec=True, width=width)
+    assert p0 == 0
+    # Speculation happened, and both of its outcomes did.
+    assert accepted >= 20 and proposed - accepted >= 2, (proposed, accepted)
+    assert spec_finish == plain_finish
+    assert len(spec[("short", 0)]) == 3 and spec_finish["short", 0] == "length"
+    for key, rows in plain.items():
+        assert [t for t, _, _ in spec[key]] == [t for t, _, _ in rows], key
+    for (_, lp, top), (_, lp0, top0) in zip(spec["lp", 0], plain["lp", 0], strict=True):
+        assert lp == pytest.approx(lp0, abs=1e-4)
+        assert [i for i, _ in top] == [i for i, _ in top0]
+
+
+def test_off_reports_no_drafts_and_settings_turn_it_off(loaded: Any) -> None:
+    for settings in (
+        Settings(spec_ngram=False),
+        Settings(spec_ngram_max=0),
+        Settings(batch_invariant=True, parallel=2),
+        Settings(context_shift=True),
+    ):
+        assert not settings.speculating
+        assert MlxBackend(loaded, settings)._spec is None
+    assert Settings().speculating

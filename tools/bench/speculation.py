@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""N-gram speculation against none, in one run (issue 23's benchmark).
+
+Starts ``mlxcel serve`` twice on the same float32 SmolLM2-135M folder, one after the other:
+with n-gram speculation (the default) and with ``--no-spec-ngram``; each gets the same load:
+
+1. **copy**, one stream: rewrite a ~300-token passage with one word changed (temperature 0,
+   the passage plus a little is the answer). Speculation should give >= 2x the tokens/s, and
+   the same text.
+2. **free**, one stream: write a story (temperature 0, 256 tokens, several topics): speculation
+   finds little to propose, and the policy should back off: >= 0.95x.
+3. **16 streams** of free writing at once (aggregate tokens/s): >= 0.97x (past 8 rows the
+   policy never speculates).
+
+tokens/s is the server's own decode rate (``timings.predicted_per_second``: first token to
+last) for one stream, and all tokens over the wall time for 16. With ``--llama-server``,
+llama.cpp's own server (``tools/bench/llama_server.py`` finds or builds it) runs the copy task
+on the original Q4_1 GGUF, and its ratio is printed.
+
+    .venv/bin/python tools/bench/speculation.py            # ~6 minutes here
+    .venv/bin/python tools/bench/speculation.py --quick    # one prompt each, 4 streams
+    .venv/bin/python tools/bench/speculation.py --llama-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import (  # noqa: E402  (the sibling module, once its folder is on sys.path)
+    PY,
+    Server,
+    default_model_path,
+    float32_folder,
+    free_port,
+)
+
+PASSAGE = (
+    "The harbour town woke slowly in winter. Before dawn the bakers lit their ovens, and the "
+    "smell of bread drifted down the narrow streets to the quay, where the fishing boats "
+    "rocked against their ropes. The harbour master walked the length of the pier with a "
+    "lantern, counting the boats and checking the knots, as his father had done before him. "
+    "When the sun rose over the hills, the market opened in the square. Farmers brought "
+    "apples, cabbages and wheels of yellow cheese; the weaver hung her blue and grey blankets "
+    "from a wooden frame; and the children ran between the stalls, begging for honey cakes. "
+    "At noon the church bell rang twelve times, and everyone stopped to eat. In the "
+    "afternoon the wind turned, clouds gathered over the sea, and the fishermen argued about "
+    "whether to sail. The oldest of them, a quiet woman called Marta, looked at the sky for a "
+    "long time and said that the storm would pass to the north. She was right, as she "
+    "usually was, and by evening the boats were out beyond the lighthouse, their small "
+    "lights moving on the dark water like a second row of stars."
+)
+COPY = (
+    "Rewrite the following passage exactly as it is, word for word, except that the word "
+    '"winter" becomes "autumn". Output only the rewritten passage.\n\n' + PASSAGE
+)
+TOPICS = [
+    "a lighthouse keeper who finds a message in a bottle",
+    "a robot learning to paint",
+    "two rival bakers in a small village",
+    "a journey across a frozen lake",
+    "a clock that runs backwards",
+    "a detective who is afraid of the dark",
+]
+
+
+def _free(topic: str) -> str:
+    return f"Write a long, detailed story about {topic}."
+
+
+async def _chat(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict[str, Any]:
+    r = await client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+    )
+    r.raise_for_status()
+    return dict(r.json())
+
+
+async def _one_stream(base: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    """Each prompt alone: decode tokens/s (the server's timings), texts, drafts."""
+    rates, texts, drafts, accepted = [], [], 0, 0
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        for prompt in prompts:
+            body = await _chat(client, prompt, max_tokens)
+            t = body["timings"]
+            rates.append(t["predicted_per_second"])
+            texts.append(body["choices"][0]["message"]["content"])
+            drafts += t.get("draft_n", 0)
+            accepted += t.get("draft_n_accepted", 0)
+    return {
+        "tok_s": statistics.mean(rates),
+        "texts": texts,
+        "draft_n": drafts,
+        "draft_n_accepted": accepted,
+    }
+
+
+async def _streams(base: str, n: int, max_tokens: int) -> float:
+    """``n`` requests at once, twice over: aggregate tokens/s over the wall time."""
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        tic = time.perf_counter()
+        total = 0
+        for _ in range(2):
+            bodies = await asyncio.gather(
+                *(
+                    _chat(client, _free(TOPICS[i % len(TOPICS)]) + f" ({i})", max_tokens)
+                    for i in range(n)
+                )
+            )
+            total += sum(b["usage"]["completion_tokens"] for b in bodies)
+        return total / (time.perf_counter() - tic)
+
+
+def _serve(model: str, parallel: int, extra: list[str], logs: Path, name: str) -> Server:
+    port = free_port()
+    argv = [
+        PY,
+        "-m",
+        "mlxcel",
+        "serve",
+        "-m",
+        model,
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        *extra,
+    ]
+    server = Server(name, argv, port, logs / f"{name}.log")
+    server.start()
+    _wait(server.base, server)
+    return server
+
+
+def _wait(base: str, server: Any, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{base} did not come up; log tail:\n{server.log_tail()}")
+
+
+def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
+    topics = TOPICS[: 1 if args.quick else 4]
+    out: dict[str, Any] = {}
+    asyncio.run(_one_stream(base, [_free("warming up")], 16))
+    out["copy"] = asyncio.run(_one_stream(base, [COPY] * args.repeats, 400))
+    out["free"] = asyncio.run(_one_stream(base, [_free(t) for t in topics], 256))
+    out["streams"] = asyncio.run(_streams(base, args.streams, 128))
+    return out
+
+
+def _llama_copy(args: argparse.Namespace, logs: Path) -> float:
+    from llama_server import find_or_build, start, wait_ready  # the sibling module
+
+    from mlxcel.models.default import default_gguf_path
+
+    port = free_port()
+    proc = start(default_gguf_path(), port, parallel=1, ctx=4096, threads=2)
+    try:
+        wait_ready(port, 300)
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(_one_stream(base, [_free("warming up")], 16))
+        return float(asyncio.run(_one_stream(base, [COPY] * args.repeats, 400))["tok_s"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        del find_or_build
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="MLX folder (default: the embedded SmolLM2)")
+    p.add_argument("--quick", action="store_true", help="one prompt each, 4 streams")
+    p.add_argument("--repeats", type=int, default=3, help="copy-task requests (default 3)")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--llama-server", action="store_true", help="llama-server on the copy task")
+    args = p.parse_args()
+    if args.quick:
+        args.repeats, args.streams = 1, 4
+    model = float32_folder(args.model or default_model_path())
+    logs = Path(tempfile.mkdtemp(prefix="spec-bench-"))
+    results: dict[str, dict[str, Any]] = {}
+    for name, extra in (("ngram", []), ("off", ["--no-spec-ngram"])):
+        server = _serve(model, max(args.streams, 4), extra, logs, name)
+        try:
+            results[name] = _measure(server.base, args)
+        finally:
+            server.stop()
+    on, off = results["ngram"], results["off"]
+    same = (
+        on["copy"]["texts"] == off["copy"]["texts"] and on["free"]["texts"] == off["free"]["texts"]
+    )
+    acc = on["copy"]["draft_n_accepted"] / max(on["copy"]["draft_n"], 1)
+    rows = [
+        ("copy, 1 stream", on["copy"]["tok_s"], off["copy"]["tok_s"], 2.0),
+        ("free, 1 stream", on["free"]["tok_s"], off["free"]["tok_s"], 0.95),
+        (f"free, {args.streams} streams", on["streams"], off["streams"], 0.97),
+    ]
+    print(f"\nmodel: {model}\n")
+    print("| task | ngram tok/s | off tok/s | ratio | target |")
+    print("|---|---:|---:|---:|---:|")
+    for task, a, b, target in rows:
+        mark = "met" if a / b >= target else "missed"
+        print(f"| {task} | {a:.1f} | {b:.1f} | {a / b:.2f}x | >= {target}x ({mark}) |")
+    print(
+        f"\ncopy task: {on['copy']['draft_n']} tokens proposed, {acc:.0%} accepted; "
+        f"free writing: {on['free']['draft_n']} proposed, "
+        f"{on['free']['draft_n_accepted']} accepted"
+    )
+    print(f"identical text at temperature 0 (copy and free): {same}")
+    if args.llama_server:
+        peer = _llama_copy(args, logs)
+        print(
+            f"llama-server (Q4_1 GGUF), copy task, 1 stream: {peer:.1f} tok/s; "
+            f"mlxcel with n-gram speculation: {on['copy']['tok_s'] / peer:.2f}x of it"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
