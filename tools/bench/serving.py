@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""Serving throughput benchmark: mlxcel vs mlx_lm.server vs raw mlx-lm BatchGenerator.
+"""Serving throughput benchmark: mlxcel vs mlx_lm.server vs raw mlx-lm BatchGenerator
+(and, with ``--llama-server``, vs llama.cpp's own ``llama-server``).
 
 One run:
 
 1. starts ``mlxcel serve`` (``--parallel`` = the highest concurrency tested) and
    ``mlx_lm.server`` on the same MLX model folder (default: the embedded
    SmolLM2-135M-Instruct, float32), one after the other, each on a free
-   127.0.0.1 port, waits for ``/health`` and warms each up;
-2. drives each with the same closed-loop streaming chat load (``stream: true``,
+   127.0.0.1 port, waits for ``/health`` and warms each up; with
+   ``--llama-server`` also llama.cpp's ``llama-server`` (found on PATH or built
+   once from source and cached: ``tools/bench/llama_server.py``) on the packaged
+   Q4_1 GGUF of the same model (``--llama-gguf`` for another), with ``-np`` = the
+   highest concurrency tested and ``-t 2``;
+2. drives each server with the same closed-loop streaming chat load (``stream: true``,
    ``stream_options.include_usage``) at each concurrency level, every request
    asking for exactly ``--tokens`` output tokens (``temperature`` 0, a "write a
    long story" instruction so EOS is not hit; the usage count is checked);
@@ -19,7 +24,8 @@ One run:
    ``BatchGenerator`` in a subprocess at the same batch sizes (same prompts,
    same token budget, continuous batching with ``completion_batch_size`` = the
    level) as the ceiling;
-5. prints a markdown table with ratios and whether the targets are met.
+5. prints a markdown table with ratios (with ``--llama-server``: mlxcel /
+   llama-server aggregate tok/s and TTFT p50 too) and whether the targets are met.
 
 Exit status is non-zero only on errors (a server failing to start, a request
 failing, a token-count mismatch with ``--strict``), never on a missed target.
@@ -27,10 +33,13 @@ failing, a token-count mismatch with ``--strict``), never on a missed target.
     .venv/bin/python tools/bench/serving.py                    # 1 4 16, 64 tokens
     .venv/bin/python tools/bench/serving.py --quick            # smoke: 1 4, few requests
     .venv/bin/python tools/bench/serving.py --concurrency 1 4 16 --tokens 64 --requests-per-level 32
+    .venv/bin/python tools/bench/serving.py --llama-server --concurrency 1 4 16 32 64
 
 OpenBLAS: the mlxcel server loads it itself; mlx_lm.server and the raw worker
 are started through ``mlxcel.models.blas.preload_blas()`` before ``mlx.core`` is
-imported so all three use the same BLAS.
+imported so all three use the same BLAS. llama-server uses its own ggml kernels
+on the quantised weights as stored, so its numbers compare serving stacks, not
+the same arithmetic.
 """
 
 from __future__ import annotations
@@ -194,6 +203,13 @@ def default_model_path() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def default_gguf() -> str:
+    # The packaged Q4_1 GGUF of the default model (llama-server's input), asked in a child too.
+    code = "from mlxcel.models.default import default_gguf_path; print(default_gguf_path())"
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
 _F32_CODE = r"""
 import json, shutil, sys
 from pathlib import Path
@@ -342,6 +358,17 @@ def mlx_lm_server(model: str, parallel: int, logdir: Path) -> Server:
         "from mlx_lm.server import main; main()"
     )
     return Server("mlx_lm.server", [PY, "-c", code], port, logdir / "mlx_lm_server.log")
+
+
+def llama_cpp_server(
+    binary: Path, gguf: str, parallel: int, ctx: int, logdir: Path, extra: list[str]
+) -> Server:
+    """llama.cpp's server: ``-np parallel -t 2``, ``ctx`` tokens of context per slot."""
+    import llama_server  # tools/bench/llama_server.py, beside this script
+
+    port = free_port()
+    argv = llama_server.command(binary, Path(gguf), port, parallel, ctx, threads=2, extra=extra)
+    return Server("llama-server", argv, port, logdir / "llama_server.log")
 
 
 async def wait_ready(client, server: Server, timeout: float) -> None:  # noqa: ASYNC109 - a poll loop; its error names the timeout
@@ -620,36 +647,61 @@ def ratio(a, b) -> str:
     return f"{a / b:.2f}x"
 
 
-def report(levels, res_ours, res_mlx, res_raw, tokens) -> tuple[str, list[str]]:
+def report(levels, res_ours, res_mlx, res_raw, tokens, res_llama=None) -> tuple[str, list[str]]:
+    """The table; ``res_llama`` (``--llama-server``'s results, else None) adds its columns."""
+    ll = res_llama is not None
+    peers = " / mlx_lm / llama" if ll else " / mlx_lm"
     lines = [
         f"Output tokens per request: {tokens}. tok/s = all output tokens / wall time of the level; "
         "TTFT = send -> first content delta; ITL = per-request mean gap between content chunks, "
         "median across requests. Other CPU load: cores kept busy by processes outside the "
         f"benchmark during the level (machine has {os.cpu_count()}); much above 0 means the "
-        "numbers are disturbed.",
+        "numbers are disturbed."
+        + (
+            " llama = llama.cpp's llama-server on the Q4_1 GGUF (its own kernels, weights as "
+            "stored); TTFT ours/llama below 1 means mlxcel answers first."
+            if ll
+            else ""
+        ),
         "",
-        "| conc | mlxcel tok/s | mlx_lm.server tok/s | raw BatchGenerator tok/s | ours/mlx_lm "
-        "| ours/raw "
-        "| TTFT p50 ours / mlx_lm (s) | TTFT p90 ours / mlx_lm (s) | ITL p50 ours / mlx_lm (ms) "
-        "| other CPU load ours / mlx_lm / raw (cores) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| conc | mlxcel tok/s | mlx_lm.server tok/s | raw BatchGenerator tok/s "
+        + ("| llama-server tok/s " if ll else "")
+        + "| ours/mlx_lm | ours/raw "
+        + ("| ours/llama | TTFT p50 ours/llama " if ll else "")
+        + f"| TTFT p50 ours{peers} (s) | TTFT p90 ours{peers} (s) | ITL p50 ours{peers} (ms) "
+        + f"| other CPU load ours{peers} / raw (cores) |",
+        "|---:" * (13 if ll else 10) + "|",
     ]
+
+    def trio(a: float | None, b: float | None, c: float | None, spec: str) -> str:
+        return " / ".join(fmt(x, spec) for x in ((a, b, c) if ll else (a, b)))
+
     for c in levels:
         o = res_ours.get(c)
         m = res_mlx.get(c)
         r = res_raw.get(c)
+        lv = (res_llama or {}).get(c)
         ot = o.tok_s if o else None
         mt = m.tok_s if m else None
         rt = r["tok_s"] if r else None
-        lines.append(
-            f"| {c} | {fmt(ot)} | {fmt(mt)} | {fmt(rt)} | {ratio(ot, mt)} | {ratio(ot, rt)} "
-            f"| {fmt(o.ttft_p50 if o else None, '.3f')} / {fmt(m.ttft_p50 if m else None, '.3f')} "
-            f"| {fmt(o.ttft_p90 if o else None, '.3f')} / {fmt(m.ttft_p90 if m else None, '.3f')} "
-            f"| {fmt(o.itl_p50 * 1000 if o else None)} / {fmt(m.itl_p50 * 1000 if m else None)} "
-            f"| {fmt(o.other_cores if o else None, '.2f')} / "
-            f"{fmt(m.other_cores if m else None, '.2f')} / "
-            f"{fmt(r.get('other_cores') if r else None, '.2f')} |"
-        )
+        lt = lv.tok_s if lv else None
+        cells = [str(c), fmt(ot), fmt(mt), fmt(rt)]
+        if ll:
+            cells.append(fmt(lt))
+        cells += [ratio(ot, mt), ratio(ot, rt)]
+        if ll:
+            cells += [
+                ratio(ot, lt),
+                ratio(o.ttft_p50 if o else None, lv.ttft_p50 if lv else None),
+            ]
+        cells += [
+            trio(*(x.ttft_p50 if x else None for x in (o, m, lv)), ".3f"),
+            trio(*(x.ttft_p90 if x else None for x in (o, m, lv)), ".3f"),
+            trio(*(x.itl_p50 * 1000 if x else None for x in (o, m, lv)), ".1f"),
+            trio(*(x.other_cores if x else None for x in (o, m, lv)), ".2f")
+            + f" / {fmt(r.get('other_cores') if r else None, '.2f')}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     top = max(levels)
     o, m, r = res_ours.get(top), res_mlx.get(top), res_raw.get(top)
     targets = []
@@ -707,6 +759,24 @@ def main() -> int:
         metavar="ARG",
         help="extra flag for `mlxcel serve` (repeatable), e.g. --mlxcel-arg=--cache-ram=0",
     )
+    ap.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="also run llama.cpp's llama-server as a peer (found on PATH, or built once from "
+        "source and cached; see tools/bench/llama_server.py)",
+    )
+    ap.add_argument(
+        "--llama-gguf",
+        default=None,
+        help="GGUF for --llama-server (default: the packaged Q4_1 SmolLM2 one)",
+    )
+    ap.add_argument(
+        "--llama-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for llama-server (repeatable), e.g. --llama-arg=--cache-ram=0",
+    )
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--strict", action="store_true", help="exit 1 on token-count mismatches too")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -747,16 +817,37 @@ def main() -> int:
         flush=True,
     )
 
+    llama: Server | None = None
+    if a.llama_server:
+        import llama_server  # tools/bench/llama_server.py, beside this script
+
+        try:
+            binary = llama_server.find_or_build()
+            gguf = a.llama_gguf or default_gguf()
+        except (RuntimeError, subprocess.CalledProcessError) as e:
+            print(f"ERROR: llama-server: {e}", flush=True)
+            return 1
+        # Context per slot: the prompt (~60 tokens with the template) + the output + room.
+        llama = llama_cpp_server(
+            binary, gguf, max(levels), max(512, a.tokens + 256), logdir, a.llama_arg
+        )
+        ver = "; ".join(llama_server.version(binary).splitlines()) or "version unknown"
+        print(f"llama-server: {binary} ({ver})")
+        print(f"llama-server model: {gguf}", flush=True)
+
     failed = False
-    res: dict[str, dict] = {"mlxcel": {}, "mlx_lm": {}}
-    for key, factory in (("mlxcel", ours), ("mlx_lm", mlx_lm_server)):
+    res: dict[str, dict] = {"mlxcel": {}, "mlx_lm": {}, "llama": {}}
+    for key in ("mlxcel", "mlx_lm", "llama"):
         if key in a.skip:
             continue
-        srv = (
-            ours(model, parallel, logdir, a.mlxcel_arg)
-            if key == "mlxcel"
-            else factory(model, parallel, logdir)
-        )
+        if key == "mlxcel":
+            srv = ours(model, parallel, logdir, a.mlxcel_arg)
+        elif key == "mlx_lm":
+            srv = mlx_lm_server(model, parallel, logdir)
+        elif llama is not None:
+            srv = llama
+        else:
+            continue
         print(f"starting {srv.name} on :{srv.port}", flush=True)
         srv.start()
         try:
@@ -797,13 +888,15 @@ def main() -> int:
                 for k, v in json.loads(p.stdout.strip().splitlines()[-1])["levels"].items()
             }
 
-    table, targets = report(levels, res["mlxcel"], res["mlx_lm"], raw, a.tokens)
+    table, targets = report(
+        levels, res["mlxcel"], res["mlx_lm"], raw, a.tokens, res["llama"] if llama else None
+    )
     print("\n" + table + "\n")
     print("Targets (at the highest concurrency):")
     for t in targets:
         print("  " + t)
 
-    for key in ("mlxcel", "mlx_lm"):
+    for key in ("mlxcel", "mlx_lm", "llama"):
         for lv in res[key].values():
             if lv.errors:
                 failed = True
@@ -824,6 +917,7 @@ def main() -> int:
                     "mlxcel": {c: asdict(v) for c, v in res["mlxcel"].items()},
                     "mlx_lm": {c: asdict(v) for c, v in res["mlx_lm"].items()},
                     "raw": raw,
+                    "llama_server": {c: asdict(v) for c, v in res["llama"].items()},
                     "targets": targets,
                 },
                 indent=2,
