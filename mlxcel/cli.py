@@ -288,6 +288,40 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=16,
         help="most tokens an n-gram proposal may have (0 turns speculation off)",
     )
+    opt(
+        "--model-draft",
+        "--draft-model",
+        env="LLAMA_ARG_MODEL_DRAFT",
+        default=None,
+        metavar="PATH|REPO",
+        help="a smaller model with the same tokenizer proposes tokens for the model to check "
+        "(instead of n-grams); as -m, a folder, .gguf or hub id",
+    )
+    opt(
+        "--draft-max",
+        "--draft",
+        "--draft-n",
+        "--spec-draft-n-max",
+        env="LLAMA_ARG_DRAFT_MAX",
+        type=int,
+        default=16,
+        help="most tokens the draft model proposes at once",
+    )
+    opt(
+        "--draft-min",
+        "--draft-n-min",
+        env="LLAMA_ARG_DRAFT_MIN",
+        type=int,
+        default=0,
+        help="fewest draft tokens worth checking (a shorter draft is dropped)",
+    )
+    opt(
+        "--draft-p-min",
+        env="LLAMA_ARG_DRAFT_P_MIN",
+        type=float,
+        default=0.75,
+        help="the draft stops where its own top probability falls below this",
+    )
     p.add_argument(
         "--no-context-shift",
         dest="context_shift",
@@ -709,6 +743,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--keep": args.keep >= -1,
         "--port": 0 <= args.port <= 65535,
         "--cache-ram": args.cache_ram >= 0,
+        "--spec-ngram-max": args.spec_ngram_max >= 0,
+        "--draft-max": args.draft_max >= 0,
+        "--draft-min": args.draft_min >= 0,
+        "--draft-p-min": 0.0 <= args.draft_p_min <= 1.0,
         "--join-window": args.join_window >= 0,
         "--max-request-bytes": args.max_request_bytes >= 1024,
         "--embedding-batch-size": args.embedding_batch_size >= 1,
@@ -772,6 +810,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         batch_invariant=args.batch_invariant,
         spec_ngram=args.spec_ngram,
         spec_ngram_max=args.spec_ngram_max,
+        model_draft=args.model_draft,
+        draft_max=args.draft_max,
+        draft_min=args.draft_min,
+        draft_p_min=args.draft_p_min,
         n_keep=args.keep,
         props_endpoint=args.props,
         embedding_model=args.embedding_model,

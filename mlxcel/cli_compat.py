@@ -23,6 +23,7 @@ SHORT_FORMS = {
     "-tb": "--threads-batch",
     "-cb": "--cont-batching",
     "-nocb": "--no-cont-batching",
+    "-md": "--model-draft",
 }
 # KV cache types that ask for the cache MLX keeps (unquantised).
 PLAIN_KV = ("f16", "fp16", "f32", "bf16")

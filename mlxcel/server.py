@@ -59,7 +59,12 @@ def build_mlx_backend(settings: Settings) -> Backend:
         # (reasoning markers, tool calls, /props) reads it instead of the model's own.
         loaded.tokenizer.chat_template = settings.chat_template
         loaded = attrs.evolve(loaded, chat_template=settings.chat_template)
-    backend = MlxBackend(loaded, settings)
+    draft = None
+    if settings.spec_kind == "draft":
+        assert settings.model_draft is not None
+        draft = load_model(resolve_model(settings.model_draft, settings.cache_dir))
+        log.info("draft model %s (%s) from %s", draft.model_id, draft.dtype, draft.path)
+    backend = MlxBackend(loaded, settings, draft)
     log.info("loaded %s from %s on %s", backend.info.description, loaded.path, backend.info.device)
     if settings.warmup:
         log.info("warmed up in %.2f s", backend.warmup())

@@ -206,7 +206,7 @@ class Scheduler:
                 item.slot.placed(n)
                 self._metrics.record_cached(n)
         for rid, proposed, accepted in output.drafts:
-            self._metrics.record_drafts("ngram", proposed, accepted)
+            self._metrics.record_drafts(output.proposer, proposed, accepted)
             if (item := self._state.running.get(rid)) is not None:
                 item.slot.drafted(proposed, accepted)
         for rid in output.shifted:

@@ -47,10 +47,10 @@ def _json(obj: object) -> Response:
 
 
 def _speculative(settings: Settings) -> dict[str, Any]:
-    """/props ``speculative``: n-gram speculation needs no second model."""
-    if not settings.speculating:
-        return {"model": None, "kind": None, "n_max": 0}
-    return {"model": None, "kind": "ngram", "n_max": settings.spec_ngram_max}
+    """/props ``speculative``: the draft model, if any, what proposes, and how far."""
+    kind = settings.spec_kind
+    model = settings.model_draft if kind == "draft" else None
+    return {"model": model, "kind": kind, "n_max": settings.spec_max}
 
 
 def generation_defaults(ctx: ServerContext) -> dict[str, Any]:

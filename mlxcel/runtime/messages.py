@@ -348,8 +348,10 @@ class StepOutput:
     cache: CacheStats | None = None
     # Requests whose context was shifted in this step (--context-shift).
     shifted: tuple[str, ...] = ()
-    # Speculation, per request that proposed tokens in this step: (id, proposed, accepted).
+    # Speculation, per request that had tokens proposed in this step: (id, proposed,
+    # accepted); ``proposer`` says what proposed them ("ngram", "draft").
     drafts: tuple[tuple[str, int, int], ...] = ()
+    proposer: str = ""
 
 
 @attrs.frozen

@@ -88,6 +88,12 @@ class Settings:
     # their own earlier text and check them in the batch step, while it pays.
     spec_ngram: bool = True
     spec_ngram_max: int = 16
+    # --model-draft: a smaller model with the same tokenizer proposes instead of n-grams
+    # (--draft-max tokens at most, --draft-min at least, stopping under --draft-p-min).
+    model_draft: str | None = None
+    draft_max: int = 16
+    draft_min: int = 0
+    draft_p_min: float = 0.75
     # --keep: prompt tokens a shift always keeps (-1: the whole prompt); requests' n_keep.
     n_keep: int = 0
     props_endpoint: bool = False
@@ -124,15 +130,25 @@ class Settings:
     realtime_max_sessions: int = 8
 
     @property
+    def spec_kind(self) -> str | None:
+        """What proposes tokens: "draft" (``--model-draft``), "ngram" (the default), or None
+        when nothing does, or in a mode that keeps rows to one token a step
+        (``--batch-invariant``, ``--context-shift``)."""
+        if self.batch_invariant or self.context_shift:
+            return None
+        if self.model_draft is not None:
+            return "draft" if self.draft_max > 0 else None
+        return "ngram" if self.spec_ngram and self.spec_ngram_max > 0 else None
+
+    @property
+    def spec_max(self) -> int:
+        """Most tokens one proposal may have (0: no speculation)."""
+        kind = self.spec_kind
+        return 0 if kind is None else self.draft_max if kind == "draft" else self.spec_ngram_max
+
+    @property
     def speculating(self) -> bool:
-        """N-gram speculation runs: asked for, and not in a mode that keeps rows to one token
-        a step (``--batch-invariant``, ``--context-shift``)."""
-        return (
-            self.spec_ngram
-            and self.spec_ngram_max > 0
-            and not self.batch_invariant
-            and not self.context_shift
-        )
+        return self.spec_kind is not None
 
     @property
     def cache_enabled(self) -> bool:

@@ -57,6 +57,8 @@ def server_children() -> list[int]:
 @pytest.fixture(scope="module")
 def managed(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
     # One slot and a one-deep queue, so that the 503 test can fill it with two requests.
+    # Without speculation: the tiny model falls into loops that n-grams predict, and would
+    # finish the first request's 900 tokens in a few dozen steps, before the queue is full.
     with mlxcel.LLM(
         tiny_model_dir,
         alias="tiny",
@@ -64,7 +66,7 @@ def managed(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
         n_predict=12,
         warmup=False,
         # No audio models, so /v1/models lists the chat model alone.
-        extra_args=["--parallel", "1", "--max-queue-depth", "1", "--no-audio"],
+        extra_args=["--parallel", "1", "--max-queue-depth", "1", "--no-audio", "--no-spec-ngram"],
         max_retries=0,
         startup_timeout=120,
     ) as llm:

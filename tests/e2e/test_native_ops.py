@@ -126,7 +126,8 @@ def test_props_and_gates(tiny_server: ServerProcess, tiny_model_dir: Path) -> No
     caps = props["chat_template_caps"]
     assert caps["supports_system_role"] is True and caps["supports_tools"] is False
     assert props["geometry"]["n_batch_decode"] == 4 and props["geometry"]["n_kv_max"] == 4096
-    assert props["kv_cache_mode"] == "full" and props["speculative"]["n_max"] == 0
+    assert props["kv_cache_mode"] == "full"
+    assert props["speculative"] == {"model": None, "kind": "ngram", "n_max": 16}
     for method, path, flag in (("POST", "/props", "--props"), ("GET", "/metrics", "--metrics")):
         r = httpx.request(method, f"{tiny_server.base_url}{path}")
         assert r.status_code == 501

@@ -6,6 +6,7 @@ a stream cancelled mid-way leaves nothing running."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -139,3 +140,27 @@ def test_a_cancelled_stream_leaves_nothing_running(
     # The /metrics request reading the gauge is the one left in flight.
     wait_for(on.base_url, "mlxcel_http_requests_in_flight", lambda v: v == 1)
     assert not any(s["is_processing"] for s in httpx.get(f"{on.base_url}/slots").json())
+
+
+def test_a_draft_model_proposes_and_changes_no_text(
+    servers: tuple[ServerProcess, ServerProcess], tiny_model_dir: Path
+) -> None:
+    """The tiny random llama (SmolLM2's tokenizer) drafting for SmolLM2: its guesses are
+    nearly always wrong, which exercises rejection; the text is the plain server's."""
+    _, off = servers
+    draft = ServerProcess(
+        ["--parallel", "2", "--metrics", "--model-draft", str(tiny_model_dir), "--draft-p-min", "0"]
+    )
+    try:
+        props = httpx.get(f"{draft.base_url}/props").json()
+        assert props["speculative"] == {"model": str(tiny_model_dir), "kind": "draft", "n_max": 16}
+        ask = {"messages": [{"role": "user", "content": COPY}], "max_tokens": 40, "temperature": 0}
+        a, b = _chat(draft.base_url, **ask), _chat(off.base_url, **ask)
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+        proposed = wait_for(
+            draft.base_url, "mlxcel_spec_proposed_tokens_total", lambda v: v > 0, proposer="draft"
+        )
+        accepted = sample(draft.base_url, "mlxcel_spec_accepted_tokens_total", proposer="draft")
+        assert accepted is not None and accepted < proposed
+    finally:
+        draft.stop()

@@ -76,3 +76,27 @@ def test_chat_template_flags(tmp_path: Path) -> None:
         settings("--chat-template", "vicuna-orca")
     with pytest.raises(SystemExit, match="exclusive"):
         settings("--chat-template", "chatml", "--chat-template-file", str(f))
+
+
+def test_speculation_flags_as_llama_server_spells_them() -> None:
+    default = settings()
+    assert default.spec_kind == "ngram" and default.spec_max == 16
+    assert settings("--no-spec-ngram").spec_kind is None
+    assert settings("--spec-ngram-max", "4").spec_max == 4
+    drafted = settings("-md", "/models/small", "--draft", "8", "--draft-min", "2")
+    assert drafted.spec_kind == "draft" and drafted.model_draft == "/models/small"
+    assert (drafted.spec_max, drafted.draft_min, drafted.draft_p_min) == (8, 2, 0.75)
+    assert settings("--draft-model", "x", "--spec-draft-n-max", "5").spec_max == 5
+    assert settings("--model-draft", "x", "--draft-p-min", "0.5").draft_p_min == 0.5
+    # Modes that keep rows to one token a step turn it off.
+    assert settings("--batch-invariant").spec_kind is None
+    assert settings("--context-shift", "-md", "x").spec_kind is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("--spec-ngram-max", "-1"), ("--draft-max", "-2"), ("--draft-p-min", "1.5")],
+)
+def test_speculation_flags_out_of_range_stop_the_server(argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit, match=argv[0]):
+        settings(*argv)

@@ -40,14 +40,21 @@ class Always:
 
 
 def _run(
-    loaded: Any, inserts: list[InsertSequence], *, spec: bool, width: int = 4
+    loaded: Any,
+    inserts: list[InsertSequence],
+    *,
+    spec: bool,
+    width: int = 4,
+    setup: Any = None,
 ) -> tuple[dict[tuple[str, int], list[Any]], dict[tuple[str, int], str], int, int]:
     """Tokens (with log-probabilities) and finish reasons per (request, choice), and the
     tokens proposed and accepted over the run."""
     backend = MlxBackend(
         loaded, Settings(parallel=8, cache_ram_mib=0, prefill_chunk_size=16, spec_ngram=spec)
     )
-    if spec:
+    if setup is not None:
+        setup(backend)
+    elif spec:
         assert backend._spec is not None
         backend._spec.policy = Always(width)  # type: ignore[assignment]  # a test double
     tokens: dict[tuple[str, int], list[Any]] = {}
@@ -132,3 +139,38 @@ def test_off_reports_no_drafts_and_settings_turn_it_off(loaded: Any) -> None:
         assert not settings.speculating
         assert MlxBackend(loaded, settings)._spec is None
     assert Settings().speculating
+
+
+def test_a_draft_model_changes_no_token_and_its_own_copy_is_accepted(
+    loaded: Any, echo: tuple[int, ...]
+) -> None:
+    """The tiny model drafting for itself: every proposal is what the model would say, so
+    nearly all are accepted, and the tokens are those of the plain run."""
+    from mlxcel.actors.model_runner.draft import DraftModel
+    from mlxcel.actors.model_runner.speculative_batch import Speculation
+
+    plain, plain_finish, _, _ = _run(loaded, _inserts(echo), spec=False)
+
+    def drafting(backend: MlxBackend) -> None:
+        spec = Speculation(4, 2048, DraftModel(loaded.model, p_min=0.0, min_tokens=0))
+        spec.policy = Always(4)  # type: ignore[assignment]  # a test double
+        backend._gen._generation_batch.speculation = spec
+        backend._spec = spec
+
+    spec, spec_finish, proposed, accepted = _run(loaded, _inserts(echo), spec=True, setup=drafting)
+    assert spec_finish == plain_finish
+    for key, rows in plain.items():
+        assert [t for t, _, _ in spec[key]] == [t for t, _, _ in rows], key
+    assert proposed > 100 and accepted >= 0.95 * proposed, (proposed, accepted)
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_start(loaded: Any) -> None:
+    import attrs
+
+    class Other:
+        def get_vocab(self) -> dict[str, int]:
+            return {"a": 0, "b": 1}
+
+    other = attrs.evolve(loaded, tokenizer=Other())
+    with pytest.raises(RuntimeError, match="its tokenizer is not the model's"):
+        MlxBackend(loaded, Settings(model_draft="other"), other)

@@ -19,6 +19,7 @@ from mlx_lm.generate import StopSequences
 from mlxcel.actors.model_runner import invariance, sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
+from mlxcel.actors.model_runner.draft import DraftModel
 from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
 from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.memory import release_idle_memory
@@ -55,7 +56,10 @@ class _Row:
 
 
 class MlxBackend:
-    def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
+    def __init__(
+        self, loaded: LoadedModel, settings: Settings, draft: LoadedModel | None = None
+    ) -> None:
+        """``draft``: the ``--model-draft`` model, loaded (its tokenizer must be the model's)."""
         self._loaded = loaded
         ctx = settings.ctx_size or loaded.context_length
         self.info = ModelInfo(
@@ -83,7 +87,11 @@ class MlxBackend:
         # Rows reading a prompt for a request with more choices to fork once it is read.
         self._forks: dict[int, InsertSequence] = {}
         # N-gram speculation (speculative_batch says which rows and modes do without it).
-        self._spec = Speculation(settings.spec_ngram_max, ctx) if settings.speculating else None
+        self._spec = (
+            Speculation(settings.spec_max, ctx, _draft_model(loaded, draft, settings))
+            if settings.speculating
+            else None
+        )
         spec = self._spec
         self._gen = EagerStartBatchGenerator(
             loaded.model,
@@ -210,6 +218,7 @@ class MlxBackend:
             cache=self._stats(),
             shifted=shifted_rids,
             drafts=drafts,
+            proposer=self._spec.proposer if drafts and self._spec is not None else "",
         )
 
     def _drafts(self, read_prompts: bool) -> tuple[tuple[str, int, int], ...]:
@@ -502,6 +511,27 @@ class MlxBackend:
         self._gen.close()
         mx.clear_cache()
         release_thread_streams()
+
+
+def _draft_model(
+    loaded: LoadedModel, draft: LoadedModel | None, settings: Settings
+) -> DraftModel | None:
+    """The ``--model-draft`` proposer; refuses a draft that does not speak the model's
+    tokens (its proposals would be other words under the same ids)."""
+    if settings.spec_kind != "draft":
+        return None
+    if draft is None:
+        raise RuntimeError("--model-draft: the draft model was not loaded")
+    ours, theirs = loaded.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if ours != theirs:
+        raise RuntimeError(
+            f"--model-draft {settings.model_draft}: its tokenizer is not the model's "
+            f"({len(theirs)} tokens against {len(ours)}, or the same count under other ids)"
+        )
+    try:
+        return DraftModel(draft.model, p_min=settings.draft_p_min, min_tokens=settings.draft_min)
+    except ValueError as e:
+        raise RuntimeError(f"--model-draft {settings.model_draft}: {e}") from None
 
 
 def _guide_kit(loaded: LoadedModel, encode: Any, vocab_size: int) -> GuideKit:

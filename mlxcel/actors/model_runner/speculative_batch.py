@@ -1,5 +1,6 @@
-"""The generation batch with n-gram speculation: rows that have a proposal check it in the same
-batched model pass as the rows that decode one token.
+"""The generation batch with speculation: rows that have a proposal (an n-gram of their own
+text, or a draft model's guess: ``draft``) check it in the same batched model pass as the rows
+that decode one token.
 
 A step that speculates feeds every row ``width + 1`` tokens: its pending token (sampled last
 step, as mlx-lm's pipeline has it) and then its proposal, padded with repeats of the pending
@@ -37,9 +38,10 @@ from typing import Any, cast
 import attrs
 import mlx.core as mx
 
+from mlxcel.actors.model_runner.draft import DraftModel, DraftRow
 from mlxcel.actors.model_runner.eager_start import NORMAL, PrimedGenerationBatch
 from mlxcel.actors.model_runner.sampler_chain import SeededSampler
-from mlxcel.actors.model_runner.speculation import NgramIndex, Policy, RowStats
+from mlxcel.actors.model_runner.speculation import MAX_ROWS, NgramIndex, Policy, RowStats
 from mlxcel.models import mlx_lm_compat as compat
 
 
@@ -50,14 +52,21 @@ class _RowState:
     # How many of the batch's tokens for this row the index holds (it may hold one more:
     # the pending token, which the step about to run appends).
     fed: int = 0
+    # The row's cache in the draft model (--model-draft).
+    draft: DraftRow | None = None
 
 
 class Speculation:
     """What the generation batch needs to speculate, and what it reports per step."""
 
-    def __init__(self, max_tokens: int, context_length: int) -> None:
+    def __init__(
+        self, max_tokens: int, context_length: int, draft: DraftModel | None = None
+    ) -> None:
         self.policy = Policy(max_tokens)
         self.context_length = context_length
+        # Proposals from a draft model instead of n-grams.
+        self.draft = draft
+        self.proposer = "draft" if draft is not None else "ngram"
         self.rows: dict[int, _RowState] = {}
         # uid -> (tokens proposed, tokens accepted) in the last step; read by the backend.
         self.last_step: dict[int, tuple[int, int]] = {}
@@ -102,7 +111,9 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
         rows = len(self.uids)
         now = time.perf_counter()
         policy = spec.policy
-        eligible = [self._state(i) if self._may_speculate(i) else None for i in range(rows)]
+        eligible: list[_RowState | None] = []
+        if rows <= MAX_ROWS and compat.rewindable(self.prompt_cache):
+            eligible = [self._state(i) if self._may_speculate(i) else None for i in range(rows)]
         stats = [s.stats if s is not None else None for s in eligible]
         if not any(eligible) or not policy.worth_looking(rows, stats):
             policy.costs.started(rows, 1, now)
@@ -113,15 +124,11 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
         pending_array = compat.next_tokens(self)
         mx.eval(pending_array)
         pending = cast(list[int], pending_array.tolist())
-        proposals: list[list[int]] = []
-        for i, state in enumerate(eligible):
-            if state is None:
-                proposals.append([])
-                continue
-            tokens = self.tokens[i]
-            state.index.extend(tokens[state.fed :] + [pending[i]])
-            state.fed = len(tokens) + 1
-            proposals.append(state.index.propose(self._room(i)))
+        proposals = (
+            self._drafts(eligible, pending)
+            if spec.draft is not None
+            else self._ngrams(eligible, pending)
+        )
         choice = policy.choose(
             rows,
             [(s.stats, len(p)) for s, p in zip(eligible, proposals, strict=True) if s and p],
@@ -133,13 +140,43 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
         proposals = [p[: choice.width] for p in proposals]
         return self._verify(pending_array, pending, proposals, choice.width)
 
+    def _ngrams(self, eligible: list[_RowState | None], pending: list[int]) -> list[list[int]]:
+        proposals: list[list[int]] = []
+        for i, state in enumerate(eligible):
+            if state is None:
+                proposals.append([])
+                continue
+            tokens = self.tokens[i]
+            state.index.extend(tokens[state.fed :] + [pending[i]])
+            state.fed = len(tokens) + 1
+            proposals.append(state.index.propose(self._room(i)))
+        return proposals
+
+    def _drafts(self, eligible: list[_RowState | None], pending: list[int]) -> list[list[int]]:
+        """Draft tokens cost a draft pass each: a row drafts only as far as the policy would
+        use at best, given its acceptance so far."""
+        assert self.speculation is not None and self.speculation.draft is not None
+        draft = self.speculation.draft
+        rooms = [self._room(i) if s is not None else 0 for i, s in enumerate(eligible)]
+        rows = [(s.stats, room) for s, room in zip(eligible, rooms, strict=True) if s and room]
+        width = self.speculation.policy.choose(len(self.uids), rows).width
+        proposals: list[list[int]] = []
+        for i, state in enumerate(eligible):
+            if state is None or not width or not rooms[i]:
+                proposals.append([])
+                continue
+            if state.draft is None:
+                state.draft = draft.row()
+            history = [*self.tokens[i], pending[i]]
+            proposals.append(state.draft.propose(draft, history, min(width, rooms[i])))
+        return proposals
+
     def _may_speculate(self, i: int) -> bool:
         sampler = self._samplers[i]
         return (
             self._starts[i] == NORMAL
             and not self._processors[i]
             and not isinstance(sampler, SeededSampler)
-            and compat.rewindable(self.prompt_cache)
         )
 
     def _state(self, i: int) -> _RowState:
