@@ -32,21 +32,21 @@ def test_proposes_what_followed_the_longest_earlier_match() -> None:
     index.extend([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
     # "1 2 3" occurred at the start (followed by 4 5); "2 3" more recently (followed by 7 8):
     # the longer match wins.
-    assert index.propose(2) == [4, 5]
-    assert index.propose(10)[:3] == [4, 5, 9]
+    assert index.propose(2) == ([4, 5], 3)
+    assert index.propose(10)[0][:3] == [4, 5, 9]
 
 
 def test_prefers_the_most_recent_occurrence_and_respects_the_limit() -> None:
     index = NgramIndex()
     index.extend([5, 6, 1, 5, 6, 2, 5, 6])
-    assert index.propose(1) == [2]
-    assert index.propose(0) == []
+    assert index.propose(1) == ([2], 2)
+    assert index.propose(0) == ([], 0)
 
 
 def test_nothing_to_propose_without_an_earlier_match() -> None:
     index = NgramIndex()
     index.extend([1, 2, 3, 4])
-    assert index.propose(4) == []
+    assert index.propose(4) == ([], 0)
 
 
 def test_grows_one_token_at_a_time_like_a_whole_extend() -> None:

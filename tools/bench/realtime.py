@@ -3,6 +3,7 @@ real-time pace (80 ms frames, silence in between, server VAD ends each turn), no
 
     .venv/bin/python tools/bench/realtime.py                 # 8 sessions, 5 minutes
     .venv/bin/python tools/bench/realtime.py --duration 120 --sessions 8
+    .venv/bin/python tools/bench/realtime.py --duration 120 --server-arg=--no-spec-ngram
 
 Reports the time from the end of speech to the first ``response.audio.delta``, measured two
 ways: from the last spoken sample the client sent (what a user waits, including the VAD's
@@ -65,6 +66,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str
     flags = ["--realtime-max-sessions", str(args.sessions), "--parallel", str(args.sessions)]
     if args.model:
         flags += ["-m", args.model]
+    flags += args.server_arg
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlxcel-bench-realtime-{args.port}.log"
     return serve(flags, args.port, log)
 
@@ -460,6 +462,12 @@ def main() -> None:
         help="sessions ask for truncation with this post_instructions budget (default: auto)",
     )
     p.add_argument("--retention-ratio", type=float, default=0.5)
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="another flag for the server it starts, e.g. --server-arg=--no-spec-ngram",
+    )
     args = p.parse_args()
     proc = None
     base = args.url

@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,41 +94,70 @@ async def _chat(
     return dict(r.json())
 
 
-async def _one_stream(
-    base: str, prompts: list[str], max_tokens: int, temperature: float = 0.0
-) -> dict[str, Any]:
-    """Each prompt alone: decode tokens/s (the server's timings), texts, drafts."""
-    rates, texts, drafts, accepted = [], [], 0, 0
+async def _one(base: str, prompt: str, max_tokens: int, temperature: float) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-        for prompt in prompts:
-            body = await _chat(client, prompt, max_tokens, temperature)
-            t = body["timings"]
-            rates.append(t["predicted_per_second"])
-            texts.append(body["choices"][0]["message"]["content"])
-            drafts += t.get("draft_n", 0)
-            accepted += t.get("draft_n_accepted", 0)
-    return {
-        "tok_s": statistics.mean(rates),
-        "texts": texts,
-        "draft_n": drafts,
-        "draft_n_accepted": accepted,
-    }
+        return await _chat(client, prompt, max_tokens, temperature)
 
 
-async def _streams(base: str, n: int, max_tokens: int) -> float:
-    """``n`` requests at once, twice over: aggregate tokens/s over the wall time."""
+async def _wave(base: str, n: int, max_tokens: int) -> tuple[int, float]:
+    """``n`` requests at once: their tokens and the wall time."""
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         tic = time.perf_counter()
-        total = 0
-        for _ in range(2):
-            bodies = await asyncio.gather(
-                *(
-                    _chat(client, _free(TOPICS[i % len(TOPICS)]) + f" ({i})", max_tokens)
-                    for i in range(n)
-                )
+        bodies = await asyncio.gather(
+            *(
+                _chat(client, _free(TOPICS[i % len(TOPICS)]) + f" ({i})", max_tokens)
+                for i in range(n)
             )
-            total += sum(b["usage"]["completion_tokens"] for b in bodies)
-        return total / (time.perf_counter() - tic)
+        )
+        return sum(b["usage"]["completion_tokens"] for b in bodies), time.perf_counter() - tic
+
+
+@dataclass
+class Task:
+    """One of the benchmark's loads, measured unit by unit on every server in turn."""
+
+    name: str
+    target: float
+    rates: dict[str, list[float]] = field(default_factory=dict)
+    texts: dict[str, list[str]] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+
+    def single(self, server: str, body: dict[str, Any]) -> None:
+        t = body["timings"]
+        self.rates.setdefault(server, []).append(t["predicted_per_second"])
+        self.texts.setdefault(server, []).append(body["choices"][0]["message"]["content"])
+        d = self.drafts.setdefault(server, [0, 0])
+        d[0] += t.get("draft_n", 0)
+        d[1] += t.get("draft_n_accepted", 0)
+
+    def rate(self, server: str) -> float:
+        return statistics.mean(self.rates[server])
+
+
+def _measure(bases: dict[str, str], args: argparse.Namespace) -> list[Task]:
+    """Each unit of work (one request, or one wave of streams) runs on every server before
+    the next unit, in alternating order, so drift over the run hits both alike."""
+    topics = TOPICS[: 1 if args.quick else 4]
+    copy = Task("copy, 1 stream", 2.0)
+    free = Task("free, 1 stream", 0.95)
+    sampled = Task("free, sampled at 0.8, 1 stream", 0.95)
+    streams = Task(f"free, {args.streams} streams", 0.97)
+    units: list[tuple[Task, Any]] = [(copy, (COPY, 400, 0.0))] * args.repeats
+    units += [(free, (_free(t), 256, 0.0)) for t in topics]
+    # As chat clients sample (the server's default sampler, temperature 0.8).
+    units += [(sampled, (_free(t), 256, 0.8)) for t in topics]
+    units += [(streams, None)] * args.waves
+    for base in bases.values():
+        asyncio.run(_one(base, _free("warming up"), 16, 0.0))
+    for n, (task, work) in enumerate(units):
+        order = list(bases) if n % 2 == 0 else list(reversed(bases))
+        for name in order:
+            if work is None:
+                tokens, seconds = asyncio.run(_wave(bases[name], args.streams, 128))
+                task.rates.setdefault(name, []).append(tokens / seconds)
+            else:
+                task.single(name, asyncio.run(_one(bases[name], *work)))
+    return [copy, free, sampled, streams]
 
 
 def _serve(model: str, parallel: int, extra: list[str], logs: Path, name: str) -> Server:
@@ -163,18 +193,6 @@ def _wait(base: str, server: Any, timeout: float = 300.0) -> None:
     raise SystemExit(f"{base} did not come up; log tail:\n{server.log_tail()}")
 
 
-def _measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
-    topics = TOPICS[: 1 if args.quick else 4]
-    out: dict[str, Any] = {}
-    asyncio.run(_one_stream(base, [_free("warming up")], 16))
-    out["copy"] = asyncio.run(_one_stream(base, [COPY] * args.repeats, 400))
-    out["free"] = asyncio.run(_one_stream(base, [_free(t) for t in topics], 256))
-    # As chat clients sample (the server's default sampler, temperature 0.8).
-    out["sampled"] = asyncio.run(_one_stream(base, [_free(t) for t in topics], 256, 0.8))
-    out["streams"] = asyncio.run(_streams(base, args.streams, 128))
-    return out
-
-
 def _llama_copy(args: argparse.Namespace, logs: Path) -> float:
     from llama_server import start, wait_ready  # the sibling module
 
@@ -186,8 +204,11 @@ def _llama_copy(args: argparse.Namespace, logs: Path) -> float:
     try:
         wait_ready(port, 300, proc)
         base = f"http://127.0.0.1:{port}"
-        asyncio.run(_one_stream(base, [_free("warming up")], 16))
-        return float(asyncio.run(_one_stream(base, [COPY] * args.repeats, 400))["tok_s"])
+        asyncio.run(_one(base, _free("warming up"), 16, 0.0))
+        copy = Task("copy", 0.0)
+        for _ in range(args.repeats):
+            copy.single("llama", asyncio.run(_one(base, COPY, 400, 0.0)))
+        return copy.rate("llama")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -199,47 +220,41 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="one prompt each, 4 streams")
     p.add_argument("--repeats", type=int, default=3, help="copy-task requests (default 3)")
     p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--waves", type=int, default=4, help="waves of --streams requests (4)")
     p.add_argument("--llama-server", action="store_true", help="llama-server on the copy task")
     args = p.parse_args()
     if args.quick:
-        args.repeats, args.streams = 1, 4
+        args.repeats, args.streams, args.waves = 1, 4, 1
     model = float32_folder(args.model or default_model_path())
     logs = Path(tempfile.mkdtemp(prefix="spec-bench-"))
-    results: dict[str, dict[str, Any]] = {}
-    for name, extra in (("ngram", []), ("off", ["--no-spec-ngram"])):
-        server = _serve(model, max(args.streams, 4), extra, logs, name)
-        try:
-            results[name] = _measure(server.base, args)
-        finally:
+    servers = []
+    try:
+        for name, extra in (("ngram", []), ("off", ["--no-spec-ngram"])):
+            servers.append(_serve(model, max(args.streams, 4), extra, logs, name))
+        tasks = _measure({s.name: s.base for s in servers}, args)
+    finally:
+        for server in servers:
             server.stop()
-    on, off = results["ngram"], results["off"]
-    same = (
-        on["copy"]["texts"] == off["copy"]["texts"] and on["free"]["texts"] == off["free"]["texts"]
-    )
-    acc = on["copy"]["draft_n_accepted"] / max(on["copy"]["draft_n"], 1)
-    rows = [
-        ("copy, 1 stream", on["copy"]["tok_s"], off["copy"]["tok_s"], 2.0),
-        ("free, 1 stream", on["free"]["tok_s"], off["free"]["tok_s"], 0.95),
-        ("free, sampled at 0.8, 1 stream", on["sampled"]["tok_s"], off["sampled"]["tok_s"], 0.95),
-        (f"free, {args.streams} streams", on["streams"], off["streams"], 0.97),
-    ]
+    copy, free = tasks[0], tasks[1]
+    same = all(t.texts["ngram"] == t.texts["off"] for t in (copy, free))
     print(f"\nmodel: {model}\n")
     print("| task | ngram tok/s | off tok/s | ratio | target |")
     print("|---|---:|---:|---:|---:|")
-    for task, a, b, target in rows:
-        mark = "met" if a / b >= target else "missed"
-        print(f"| {task} | {a:.1f} | {b:.1f} | {a / b:.2f}x | >= {target}x ({mark}) |")
-    print(
-        f"\ncopy task: {on['copy']['draft_n']} tokens proposed, {acc:.0%} accepted; "
-        f"free writing: {on['free']['draft_n']} proposed, "
-        f"{on['free']['draft_n_accepted']} accepted"
-    )
+    for task in tasks:
+        a, b = task.rate("ngram"), task.rate("off")
+        mark = "met" if a / b >= task.target else "missed"
+        print(f"| {task.name} | {a:.1f} | {b:.1f} | {a / b:.2f}x | >= {task.target}x ({mark}) |")
+    for task in tasks[:3]:
+        proposed, accepted = task.drafts["ngram"]
+        print(
+            f"{task.name}: {proposed} tokens proposed, {accepted / max(proposed, 1):.0%} accepted"
+        )
     print(f"identical text at temperature 0 (copy and free): {same}")
     if args.llama_server:
         peer = _llama_copy(args, logs)
         print(
             f"llama-server (Q4_1 GGUF), copy task, 1 stream: {peer:.1f} tok/s; "
-            f"mlxcel with n-gram speculation: {on['copy']['tok_s'] / peer:.2f}x of it"
+            f"mlxcel with n-gram speculation: {copy.rate('ngram') / peer:.2f}x of it"
         )
     return 0
 

@@ -68,17 +68,18 @@ class NgramIndex:
                 self._prev[n] = self._last.get(key)
                 self._last[key] = end
 
-    def propose(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the longest earlier match of the suffix."""
+    def propose(self, limit: int) -> tuple[list[int], int]:
+        """Up to ``limit`` tokens that followed the longest earlier match of the suffix, and
+        that match's length (0 with nothing to propose)."""
         if limit <= 0:
-            return []
+            return [], 0
         for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
             start = self._prev[n]
             if start is not None:
                 follow = self.tokens[start : start + limit]
                 if follow:
-                    return follow
-        return []
+                    return follow, n
+        return [], 0
 
 
 @attrs.define

@@ -49,6 +49,12 @@ from mlxcel.models import mlx_lm_compat as compat
 class _RowState:
     index: NgramIndex = attrs.field(factory=NgramIndex)
     stats: RowStats = attrs.field(factory=RowStats)
+    # Per n-gram order (the suffix length that matched): a 4-token match is right far more
+    # often than a 1-token one (measured on a copy: ~65% against ~15% of proposed tokens),
+    # so each is priced on its own record.
+    orders: dict[int, RowStats] = attrs.field(factory=dict)
+    # The record the current proposal is judged by and adds to.
+    current: RowStats | None = None
     # How many of the batch's tokens for this row the index holds (it may hold one more:
     # the pending token, which the step about to run appends).
     fed: int = 0
@@ -131,7 +137,11 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
         )
         choice = policy.choose(
             rows,
-            [(s.stats, len(p)) for s, p in zip(eligible, proposals, strict=True) if s and p],
+            [
+                (s.current or s.stats, len(p))
+                for s, p in zip(eligible, proposals, strict=True)
+                if s and p
+            ],
         )
         if choice.width == 0:
             policy.costs.started(rows, 1, now)
@@ -149,7 +159,9 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             tokens = self.tokens[i]
             state.index.extend(tokens[state.fed :] + [pending[i]])
             state.fed = len(tokens) + 1
-            proposals.append(state.index.propose(self._room(i)))
+            proposal, order = state.index.propose(self._room(i))
+            state.current = state.orders.setdefault(order, RowStats()) if proposal else None
+            proposals.append(proposal)
         return proposals
 
     def _drafts(self, eligible: list[_RowState | None], pending: list[int]) -> list[list[int]]:
@@ -239,7 +251,10 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             rejected.append(width - kept)
             bonus.append(sample[kept])
             if proposal:
-                self.speculation.rows[uid].stats.record(len(proposal), kept)
+                state = self.speculation.rows[uid]
+                state.stats.record(len(proposal), kept)
+                if state.current is not None:
+                    state.current.record(len(proposal), kept)
                 self.speculation.last_step[uid] = (len(proposal), kept)
         compat.rewind_rows(self.prompt_cache, rejected)
         compat.set_current(self, pending_array, previous)
