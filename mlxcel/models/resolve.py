@@ -14,9 +14,11 @@ half-written folder: the loser of the rename discards its copy.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -86,17 +88,41 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def _cache_key(gguf: Path) -> str:
-    stat = gguf.stat()
-    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    """The file's size and its first and last MiB: what it holds, not when it was written.
+    (With the file time in the key, every fresh virtualenv's copy of the same wheel made
+    another 100 MB conversion: 17 of them on the CI machine in one day.)"""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{size}:".encode())
     with gguf.open("rb") as f:
         digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
     return digest.hexdigest()[:12]
+
+
+def _prune_unused(models: Path, stem: str, keep: Path) -> None:
+    """Remove conversions of the same file under another key that no start has used for a
+    day (each use touches its folder; a day is far longer than any load)."""
+    cutoff = time.time() - _STALE_TMP_S
+    for folder in models.glob(f"{stem}-*"):
+        key = folder.name[len(stem) + 1 :]
+        if folder == keep or not re.fullmatch(r"[0-9a-f]{12}", key):
+            continue
+        try:
+            if folder.stat().st_mtime < cutoff:
+                log.info("removing %s, unused for a day", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _cached_conversion(gguf: Path, cache: Path) -> Path:
     models = cache / "models"
     final = models / f"{gguf.stem}-{_cache_key(gguf)}"
     if final.is_dir():
+        with contextlib.suppress(OSError):  # a read-only cache still serves
+            os.utime(final)
+        _prune_unused(models, gguf.stem, final)
         return final
     models.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(models)
@@ -117,6 +143,7 @@ def _cached_conversion(gguf: Path, cache: Path) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _prune_unused(models, gguf.stem, final)
     return final
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,3 +176,36 @@ def test_folder_without_weights_is_unsupported(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(UnsupportedModel, match="cannot load model"):
         load_model(resolve_model(str(tmp_path)))
+
+
+def test_the_conversion_key_is_the_content_not_the_file_time(tmp_path: Path) -> None:
+    from mlxcel.models.resolve import _cache_key
+
+    blob = tmp_path / "m.gguf"
+    blob.write_bytes(bytes(range(256)) * 12_000)  # 3 MB
+    key = _cache_key(blob)
+    os.utime(blob, (1, 1))  # a reinstalled wheel: same bytes, another time
+    assert _cache_key(blob) == key
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 1  # the tail counts too
+    blob.write_bytes(bytes(data))
+    assert _cache_key(blob) != key
+
+
+def test_conversions_unused_for_a_day_are_removed(tmp_path: Path) -> None:
+    from mlxcel.models.resolve import _prune_unused
+
+    stem = "Model.Q4_1"
+    keep, old, recent = (
+        tmp_path / f"{stem}-{k}" for k in ("aaaaaaaaaaaa", "0123456789ab", "b" * 12)
+    )
+    mine = tmp_path / f"{stem}-my-own-folder"
+    for folder in (keep, old, recent, mine):
+        folder.mkdir()
+    two_days_ago = time.time() - 2 * 86_400
+    for folder in (keep, old, mine):
+        os.utime(folder, (two_days_ago, two_days_ago))
+    _prune_unused(tmp_path, stem, keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (keep, recent, mine)
+    )
