@@ -253,3 +253,15 @@ def test_the_cache_keeps_only_accepted_tokens_row_by_row(width: int) -> None:
         keys = cache.keys[i, 0, pad : cache._idx, 0].tolist()
         assert [int(k) for k in keys] == batch.tokens[i]
         assert int(cache.offset[i].item()) == len(batch.tokens[i])
+
+
+def test_a_new_row_starts_from_the_server_s_recent_record() -> None:
+    """Free writing's proposals have been mostly wrong lately: a new row does not pay to try
+    its luck at even odds in a batch of 4."""
+    policy = Policy(16)
+    _costs(policy, 4, 1, 0.093)
+    for width, seconds in ((2, 0.120), (3, 0.133), (5, 0.141)):
+        _costs(policy, 4, width, seconds)
+    assert policy.choose(4, [(RowStats(), 8)] * 4).width > 0  # even odds: worth a try
+    assert policy.choose(4, [(RowStats(prior=0.2), 8)] * 4).width == 0
+    assert RowStats(prior=0.2).rate == pytest.approx(0.2)

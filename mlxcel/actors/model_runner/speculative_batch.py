@@ -53,8 +53,9 @@ class _RowState:
     # often than a 1-token one (measured on a copy: ~65% against ~15% of proposed tokens),
     # so each is priced on its own record.
     orders: dict[int, RowStats] = attrs.field(factory=dict)
-    # The record the current proposal is judged by and adds to.
+    # The record the current proposal is judged by and adds to, and its order.
     current: RowStats | None = None
+    order: int = 0
     # How many of the batch's tokens for this row the index holds (it may hold one more:
     # the pending token, which the step about to run appends).
     fed: int = 0
@@ -74,6 +75,8 @@ class Speculation:
         self.draft = draft
         self.proposer = "draft" if draft is not None else "ngram"
         self.rows: dict[int, _RowState] = {}
+        # Per n-gram order, every row's proposals lately: a new row's prior.
+        self.orders: dict[int, RowStats] = {}
         # uid -> (tokens proposed, tokens accepted) in the last step; read by the backend.
         self.last_step: dict[int, tuple[int, int]] = {}
 
@@ -144,13 +147,16 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             ],
         )
         if choice.width == 0:
-            policy.costs.started(rows, 1, now)
+            # A plain step after a host sync: not what a plain step costs.
+            policy.costs.idle()
             return super()._emit()
         policy.costs.started(rows, choice.width + 1, now)
         proposals = [p[: choice.width] for p in proposals]
         return self._verify(pending_array, pending, proposals, choice.width)
 
     def _ngrams(self, eligible: list[_RowState | None], pending: list[int]) -> list[list[int]]:
+        assert self.speculation is not None
+        spec = self.speculation
         proposals: list[list[int]] = []
         for i, state in enumerate(eligible):
             if state is None:
@@ -160,7 +166,12 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             state.index.extend(tokens[state.fed :] + [pending[i]])
             state.fed = len(tokens) + 1
             proposal, order = state.index.propose(self._room(i))
-            state.current = state.orders.setdefault(order, RowStats()) if proposal else None
+            state.current, state.order = None, order
+            if proposal:
+                state.current = state.orders.get(order)
+                if state.current is None:
+                    server = spec.orders.setdefault(order, RowStats(decay=0.95))
+                    state.current = state.orders[order] = RowStats(prior=server.rate)
             proposals.append(proposal)
         return proposals
 
@@ -255,6 +266,7 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
                 state.stats.record(len(proposal), kept)
                 if state.current is not None:
                     state.current.record(len(proposal), kept)
+                    self.speculation.orders[state.order].record(len(proposal), kept)
                 self.speculation.last_step[uid] = (len(proposal), kept)
         compat.rewind_rows(self.prompt_cache, rejected)
         compat.set_current(self, pending_array, previous)
