@@ -39,11 +39,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import (  # noqa: E402  (the sibling module, once its folder is on sys.path)
-    PY,
     Server,
     default_model_path,
     float32_folder,
     free_port,
+    ours,
 )
 
 PASSAGE = (
@@ -161,21 +161,10 @@ def _measure(bases: dict[str, str], args: argparse.Namespace) -> list[Task]:
 
 
 def _serve(model: str, parallel: int, extra: list[str], logs: Path, name: str) -> Server:
-    port = free_port()
-    argv = [
-        PY,
-        "-m",
-        "mlxcel",
-        "serve",
-        "-m",
-        model,
-        "--port",
-        str(port),
-        "--parallel",
-        str(parallel),
-        *extra,
-    ]
-    server = Server(name, argv, port, logs / f"{name}.log")
+    folder = logs / name  # ours() names its log mlxcel.log: one folder per server
+    folder.mkdir()
+    server = ours(model, parallel, folder, extra)
+    server.name = name
     server.start()
     _wait(server.base, server)
     return server
