@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from mlxcel.models import fast_math, mlx_lm_compat
+from mlxcel.models import fast_math, mlx_lm_compat, ragged
 from mlxcel.models.mlx_setup import mx
 
 __all__ = ["enabled", "install"]
@@ -77,6 +77,10 @@ def _per_row(
 
 
 def _lm_attention(original: Callable[..., mx.array], fast: bool = True) -> Callable[..., mx.array]:
+    # Rows of very different lengths attend in groups (``ragged``); not under
+    # --batch-invariant, whose rows each attend alone.
+    grouped = fast
+
     def attend(
         queries: mx.array,
         keys: Any,
@@ -111,6 +115,20 @@ def _lm_attention(original: Callable[..., mx.array], fast: bool = True) -> Calla
             pads = mlx_lm_compat.batch_left_padding(cache)
             if pads is not None:
                 return _per_row(pads, attend, queries, keys, values, cache, scale, sinks)
+        if (
+            grouped
+            and ragged.enabled
+            and 1 < queries.shape[0]
+            and queries.shape[2] <= ragged.MAX_QUERIES
+        ):
+            pads = mlx_lm_compat.batch_left_padding(cache)
+            groups = None if pads is None else ragged.plan(pads, keys.shape[-2])
+            if groups is not None:
+
+                def one(q: mx.array, k: mx.array, v: mx.array, **kw: Any) -> mx.array:
+                    return attend(q, k, v, cache, scale=scale, sinks=sinks, **kw)
+
+                return ragged.attend_grouped(groups, one, queries, keys, values, mask)
         return attend(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps
