@@ -135,6 +135,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="prompt tokens processed per step",
     )
     opt(
+        "--prefill-share",
+        env="LLAMA_ARG_PREFILL_SHARE",
+        type=float,
+        default=d.prefill_share,
+        help="while rows are decoding, the share of time that reading new prompts may take "
+        "(the rest goes to the running streams); 1 = no limit",
+    )
+    opt(
         "--join-window",
         env="LLAMA_ARG_JOIN_WINDOW",
         type=float,
@@ -738,6 +746,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--parallel": args.parallel >= 1,
         "--max-queue-depth": args.max_queue_depth >= 1,
         "--prefill-chunk-size": args.prefill_chunk_size >= 1,
+        "--prefill-share": 0.0 < args.prefill_share <= 1.0,
         "--ctx-size": args.ctx_size >= 0,
         "--n-predict": args.n_predict >= -1,
         "--keep": args.keep >= -1,
@@ -784,6 +793,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_queue_depth=args.max_queue_depth,
         # llama-server's -b/--batch-size is the prompt chunk read per step.
         prefill_chunk_size=args.batch_size or args.prefill_chunk_size,
+        prefill_share=args.prefill_share,
         threads=args.threads,
         join_window=args.join_window,
         sse_ping_interval=args.sse_ping_interval,

@@ -8,7 +8,8 @@ mlxcel names a private attribute of mlx-lm:
 - eager start (``actors/model_runner/eager_start.py``) subclasses ``BatchGenerator`` and
   ``GenerationBatch``, overrides the private methods in ``OVERRIDDEN``, and moves rows between
   the generator's private queues (``generation_batch``, ``prompt_batch``, ``waiting``,
-  ``reading``, ``prompt_batch_of``) and a batch's private per-row state (``next_tokens``,
+  ``reading``, ``prompt_batch_of``), reads and keeps its step totals (``counters``: the
+  prefill budget) and a batch's private per-row state (``next_tokens``,
   ``next_logprobs``, ``row_counters``);
 - the model runner reads where a row stands (``row_stages``: donation on cancel) and how many
   tokens it may still make (``tokens_left``: context shift), and the prompt cache reaches into
@@ -59,6 +60,8 @@ __all__ = [
     "TESTED",
     "batch_left_padding",
     "check_version",
+    "counters",
+    "current_logprobs",
     "generation_batch",
     "install",
     "lru_exact",
@@ -105,6 +108,7 @@ _GENERATOR_ATTRS = (
     "_unprocessed_sequences",
     "_currently_processing",
     "_find_uids",
+    "_counters",
 )
 _BATCH_ATTRS = (
     "_next_tokens",
@@ -250,6 +254,12 @@ def set_reading(gen: Any, keep: Iterable[int]) -> None:
     gen._currently_processing = [rows[i] for i in keep]
 
 
+def counters(gen: Any) -> Any:
+    """The generator's running totals (``prompt_time``, ``prompt_tokens``, ``decode_time``,
+    ``generation_tokens``, ``generation_steps``): the prefill budget reads and keeps them."""
+    return gen._counters
+
+
 def row_stages(gen: Any, uids: list[int]) -> dict[int, int]:
     """Where each row is: 0 waiting (nothing read), 1 reading its prompt, 2 generating."""
     return {uid: stage for uid, (stage, _) in gen._find_uids(uids).items()}
@@ -273,6 +283,11 @@ def set_next_logprobs(batch: Any, logprobs: list[Any]) -> None:
 
 def set_next_tokens(batch: Any, tokens: Any) -> None:
     batch._next_tokens = tokens
+
+
+def current_logprobs(batch: Any) -> list[Any]:
+    """The distributions of the tokens the step just taken fed."""
+    return batch._current_logprobs  # type: ignore[no-any-return]  # mlx-lm is untyped
 
 
 def set_current(batch: Any, tokens: Any, logprobs: list[Any]) -> None:

@@ -237,6 +237,8 @@ class InsertSequence:
     # Context shift: tokens kept at the start, tokens dropped after them (0: half the rest).
     n_keep: int = 0
     n_discard: int = 0
+    # X-Priority lane (0 high: a live voice turn); 0 is read past the prefill budget.
+    priority: int = 1
 
 
 @attrs.frozen

@@ -26,6 +26,9 @@ class Settings:
     parallel: int = 4
     max_queue_depth: int = 32
     prefill_chunk_size: int = 512
+    # Of the model runner's time, what reading prompts may take while rows decode (1 = no
+    # limit); see actors/model_runner/prefill_budget.py.
+    prefill_share: float = 0.2
     # Seconds a request may wait for others to join the running batch with it (0 = never).
     join_window: float = 0.5
     sse_ping_interval: float = 30.0

@@ -3,7 +3,7 @@ Trio): issue 22's first measurements.
 
     .venv/bin/python tools/bench/step.py steps [--rows 1 16 32 64]
     .venv/bin/python tools/bench/step.py admit [--rows 16] [--prompt 2000] [--chunk 512]
-        [--steps 40]
+        [--after 20] [--share 0.2]
 
 ``steps``: for each row count, rows decoding greedily (the embedded SmolLM2, float32): ms per
 step, tokens/s, and the FLOP rate that step reaches (2 x parameters x rows per step), with the
@@ -11,8 +11,10 @@ forward pass alone (graph building and evaluation) beside it, so what the backen
 (sampling, bookkeeping) shows.
 
 ``admit``: rows decoding, then one long prompt arrives: each step's time while the prompt is
-read and after it joins the batch, the running rows' tokens/s against before, and the long
-prompt's time to its first token (issue 22, item 3: running streams should lose at most 20%).
+read (until its first token) and after it joins the batch, the running rows' tokens/s in both
+spells against before, and the long prompt's time to its first token (issue 22, item 3:
+running streams should lose at most 20% while it is admitted; ``--share`` is
+``--prefill-share``).
 """
 
 from __future__ import annotations
@@ -85,37 +87,46 @@ def steps(loaded: LoadedModel, counts: list[int]) -> None:
         print(f"| {rows} | {dt * 1000:.1f} | {rows / dt:.1f} | {flops:.1f} | {fwd:.1f} |")
 
 
-def admit(loaded: LoadedModel, rows: int, prompt: int, chunk: int, count: int) -> None:
+def admit(
+    loaded: LoadedModel, rows: int, prompt: int, chunk: int, after: int, share: float
+) -> None:
     settings = Settings(
-        parallel=rows + 1, cache_ram_mib=0, ctx_size=prompt + 512, prefill_chunk_size=chunk
+        parallel=rows + 1,
+        cache_ram_mib=0,
+        ctx_size=prompt + 512,
+        prefill_chunk_size=chunk,
+        prefill_share=share,
     )
     backend = decoding(loaded, rows, settings)
     tok = loaded.tokenizer
 
-    def run(n: int, plan: StepPlan) -> tuple[list[float], int, float | None]:
-        times, tokens, first = [], 0, None
-        for k in range(n):
-            tic = time.perf_counter()
-            out = backend.apply(plan if k == 0 else StepPlan())
-            times.append(time.perf_counter() - tic)
-            tokens += sum(1 for t in out.tokens if t.request_id.startswith("r"))
-            if first is None and any(t.request_id == "long" for t in out.tokens):
-                first = sum(times)
-        return times, tokens, first
+    def step(plan: StepPlan) -> tuple[float, int, bool]:
+        tic = time.perf_counter()
+        out = backend.apply(plan)
+        took = time.perf_counter() - tic
+        running = sum(1 for t in out.tokens if t.request_id.startswith("r"))
+        return took, running, any(t.request_id == "long" for t in out.tokens)
 
-    before, n_before, _ = run(10, StepPlan())
+    before = [step(StepPlan()) for _ in range(10)]
+    base = sum(n for _, n, _ in before) / sum(t for t, _, _ in before)
     text = "The history of the world is long. " * (prompt // 6 + 1)
     ids = tuple(tok.encode(text)[:prompt])
-    long = InsertSequence("long", ids, 64, GREEDY)
-    during, n_during, first = run(count, StepPlan(inserts=(long,)))
-    base = n_before / sum(before)
-    rate = n_during / sum(during)
+    during = [step(StepPlan(inserts=(InsertSequence("long", ids, after + 8, GREEDY),)))]
+    while not during[-1][2]:
+        during.append(step(StepPlan()))
+    joined = [step(StepPlan()) for _ in range(after)]
+    ttft = sum(t for t, _, _ in during)
+    rate = sum(n for _, n, _ in during) / ttft
+    later = sum(n for _, n, _ in joined) / sum(t for t, _, _ in joined)
     print(
-        f"{rows} rows decoding: {base:.1f} tok/s; over the {count} steps after a {prompt}-token "
-        f"prompt arrives (chunk {chunk}): {rate:.1f} tok/s ({rate / base:.2f}x); its first "
-        f"token after {first if first is not None else float('nan'):.2f} s"
+        f"{rows} rows decoding: {base:.1f} tok/s. A {prompt}-token prompt arrives (chunk "
+        f"{chunk}, --prefill-share {share}): its first token after {ttft:.2f} s "
+        f"({len(during)} steps); the running rows meanwhile {rate:.1f} tok/s "
+        f"({rate / base:.2f}x); over the {after} steps after it joined {later:.1f} tok/s "
+        f"({later / base:.2f}x)"
     )
-    print("step ms:", [round(t * 1000) for t in during])
+    print("step ms while admitted:", [round(t * 1000) for t, _, _ in during])
+    print("step ms after:", [round(t * 1000) for t, _, _ in joined])
 
 
 def _leaves(tree: object) -> list[tuple[str, mx.array]]:
@@ -133,13 +144,14 @@ def main() -> None:
     a.add_argument("--rows", type=int, default=16)
     a.add_argument("--prompt", type=int, default=2000)
     a.add_argument("--chunk", type=int, default=512)
-    a.add_argument("--steps", type=int, default=40)
+    a.add_argument("--after", type=int, default=20, help="steps measured after it joins")
+    a.add_argument("--share", type=float, default=Settings().prefill_share)
     args = ap.parse_args()
     loaded = load_model(resolve_model(None))
     if args.what == "steps":
         steps(loaded, args.rows)
     else:
-        admit(loaded, args.rows, args.prompt, args.chunk, args.steps)
+        admit(loaded, args.rows, args.prompt, args.chunk, args.after, args.share)
 
 
 if __name__ == "__main__":

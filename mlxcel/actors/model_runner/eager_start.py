@@ -25,12 +25,15 @@ a batch's per-row state) goes through ``mlxcel.models.mlx_lm_compat``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.sample_utils import greedy_sampler
 
+from mlxcel.actors.model_runner.prefill_budget import PrefillBudget
 from mlxcel.models import mlx_lm_compat as compat
 
 # Where a row stands with its first token.
@@ -80,7 +83,53 @@ class PrimedGenerationBatch(GenerationBatch):
         if self._priming:  # the constructor's own pass: skipped, the batch step does it
             self._priming = False
             return [], []
-        return super()._step()
+        return self._decode()
+
+    def _decode(self) -> tuple[list[int], list[mx.array]]:
+        """mlx-lm's ``GenerationBatch._step`` (0.32), except that the rows' scores are not
+        normalised into log-probabilities over the whole batch.
+
+        mlx-lm subtracts a log-sum-exp over every row's vocabulary each step (at 64 rows,
+        3.1 M exponentials on one core: ~12 ms of a ~290 ms step here). Every sampler we build
+        is shift-invariant (argmax, top-k, min-p, a categorical draw; top-p, typical and XTC
+        normalise for themselves), so a row's scores are only shifted by their maximum, and
+        not even that when every row is greedy. What reads a distribution as log-probabilities
+        normalises it itself: the backend's ``_score`` for requests that asked for them, and
+        speculation's verification per row.
+        """
+        inputs = compat.next_tokens(self)
+        compat.set_current(self, inputs, compat.next_logprobs(self))
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        token_context = []
+        processors_of = cast(list[Any], self.logits_processors)
+        if any(processors_of):
+            rows = []
+            for e in range(len(self.uids)):
+                row = logits[e : e + 1]
+                if processors_of[e]:
+                    context = compat.token_context(self, e).update_and_fetch(inputs[e : e + 1])
+                    token_context.append(context)
+                    for processor in processors_of[e]:
+                        row = processor(context, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        given: list[Any] = self.samplers or [None] * len(self.uids)
+        samplers = [self.fallback_sampler if s is None else s for s in given]
+        if not all(s is greedy_sampler for s in samplers):
+            logits = logits - logits.max(axis=-1, keepdims=True)
+        if not samplers or all(s is samplers[0] for s in samplers):
+            sampled = (samplers[0] if samplers else self.fallback_sampler)(logits)
+        else:
+            sampled = mx.concatenate([s(logits[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
+        compat.set_next_tokens(self, sampled)
+        compat.set_next_logprobs(self, list(logits))
+        mx.async_eval(sampled, compat.next_logprobs(self), token_context)
+        previous = compat.current_logprobs(self)
+        mx.eval(inputs, previous)
+        said = cast(list[int], inputs.tolist())
+        for tokens, t in zip(self.tokens, said, strict=True):
+            tokens.append(t)
+        return said, previous
 
     def extend(self, batch: Any) -> None:
         super().extend(batch)
@@ -158,21 +207,62 @@ class EagerStartBatchGenerator(BatchGenerator):
         *args: Any,
         hold: Callable[[int], bool],
         batch: Callable[[Any, Any], PrimedGenerationBatch] | None = None,
+        budget: PrefillBudget | None = None,
+        urgent: Callable[[int], bool] = lambda uid: False,
         **kwargs: Any,
     ) -> None:
         """``batch(model, fallback_sampler)`` makes the (empty) generation batch every row
-        joins: a ``PrimedGenerationBatch`` by default, a speculating one when asked."""
+        joins: a ``PrimedGenerationBatch`` by default, a speculating one when asked.
+        ``budget`` limits prompt reading while rows decode, except for ``urgent`` rows."""
         super().__init__(*args, **kwargs)
         compat.check_generator(self)
         self._hold = hold
         make = batch if batch is not None else PrimedGenerationBatch.empty
         compat.set_generation_batch(self, make(self.model, self.sampler))
+        self._budget = budget if budget is not None else PrefillBudget(share=1.0)
+        self._urgent = urgent
+        self._full_chunk = self.prefill_step_size
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         started = self._start_unread_rows()
+        budget = self._budget
+        decoding = len(compat.generation_batch(self)) > 0
+        if not budget.may_read(decoding, self._urgent_waiting()):
+            return started, self._decode_only()
+        counters = compat.counters(self)
+        decode0, tokens0 = counters.decode_time, counters.prompt_tokens
+        rows = len(compat.prompt_batch(self)) + len(compat.waiting(self))
+        self.prefill_step_size = budget.chunk(
+            decoding, min(rows, self.prefill_batch_size), self._full_chunk
+        )
+        tic = time.perf_counter()
         prompt_responses, generation_responses = super()._next()
         self._start_read_rows(prompt_responses)
+        decode = counters.decode_time - decode0
+        budget.decoded(decode)
+        budget.read(time.perf_counter() - tic - decode, counters.prompt_tokens - tokens0, decoding)
         return started + prompt_responses, generation_responses
+
+    def _urgent_waiting(self) -> bool:
+        """Whether an urgent row is being read or waits to be."""
+        reading = compat.prompt_batch(self).uids
+        waiting = (compat.waiting_prompt(row)[0] for row in compat.waiting(self))
+        return any(self._urgent(uid) for uid in reading) or any(map(self._urgent, waiting))
+
+    def _decode_only(self) -> list[Any]:
+        """mlx-lm's decode half of a step, leaving prompts unread (their budget is spent)."""
+        generating = compat.generation_batch(self)
+        counters = compat.counters(self)
+        tic = time.perf_counter()
+        responses: list[Any] = generating.next()
+        elapsed = time.perf_counter() - tic
+        self._budget.decoded(elapsed)
+        counters.decode_time += elapsed
+        counters.generation_tokens += len(responses)
+        counters.generation_steps += 1
+        if counters.generation_steps % 512 == 0:
+            mx.clear_cache()
+        return responses
 
     def _start_unread_rows(self) -> list[Any]:
         """Rows waiting with nothing to read but their last token (forked choices, exact

@@ -23,6 +23,7 @@ from mlxcel.actors.model_runner.draft import DraftModel
 from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
 from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.memory import release_idle_memory
+from mlxcel.actors.model_runner.prefill_budget import PrefillBudget
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.model_runner.speculative_batch import Speculation, SpeculativeGenerationBatch
@@ -86,6 +87,8 @@ class MlxBackend:
         self._invariant = settings.batch_invariant
         # Rows reading a prompt for a request with more choices to fork once it is read.
         self._forks: dict[int, InsertSequence] = {}
+        # Rows of high-priority requests (X-Priority: 0): read past the prefill budget.
+        self._urgent: set[int] = set()
         # N-gram speculation (speculative_batch says which rows and modes do without it).
         self._spec = (
             Speculation(settings.spec_max, ctx, _draft_model(loaded, draft, settings))
@@ -112,6 +115,9 @@ class MlxBackend:
             # at a time, so no prompt is padded to another's length.
             prefill_batch_size=1 if settings.batch_invariant else min(settings.parallel, 8),
             prefill_step_size=settings.prefill_chunk_size,
+            # Batch-invariant prompts are read in the chunks a lone request reads them in.
+            budget=PrefillBudget(share=1.0 if settings.batch_invariant else settings.prefill_share),
+            urgent=self._urgent.__contains__,
         )
         self._vocab_size = int(loaded.vocab_size)
         tok = loaded.tokenizer
@@ -328,7 +334,9 @@ class MlxBackend:
         ]
         if not rows:
             return {}
+        # The batch hands out scores, not log-probabilities (eager_start's _decode).
         dist = mx.stack([r.logprobs for _, r, _ in rows])
+        dist = dist - mx.logsumexp(dist, axis=-1, keepdims=True)
         chosen = mx.take_along_axis(dist, mx.array([[r.token] for _, r, _ in rows]), axis=-1)
         k = max(k for _, _, k in rows)
         ids_list: list[list[int]]
@@ -425,6 +433,8 @@ class MlxBackend:
             self._uids_by_rid.setdefault(rid, []).append(uid)
             if r.seq.logprobs is not None:
                 self._logprobs[uid] = r.seq.logprobs
+            if r.seq.priority == 0:
+                self._urgent.add(uid)
             if self._shift is not None:
                 self._shift[uid] = (r.seq.n_keep, r.seq.n_discard, len(r.seq.prompt_tokens))
             if r.choice == 0:
@@ -451,6 +461,7 @@ class MlxBackend:
         self._logprobs.pop(uid, None)
         self._guides.pop(uid, None)
         self._forks.pop(uid, None)
+        self._urgent.discard(uid)
         if self._shift is not None:
             self._shift.pop(uid, None)
             self._rereading.discard(uid)

@@ -192,6 +192,7 @@ def plan(
             slot=slot_of[item.request.request_id],
             n_keep=item.request.n_keep if item.request.n_keep is not None else 0,
             n_discard=item.request.n_discard,
+            priority=item.request.priority,
         )
         for item in started
     )
