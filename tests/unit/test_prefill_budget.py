@@ -63,9 +63,11 @@ def loaded(tiny_model_dir: Path) -> Any:
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _run(loaded: Any, share: float, priority: int) -> tuple[dict[str, list[int]], list[int]]:
-    """Two rows decoding, then a 600-token prompt (read 32 tokens a step) arrives: each
-    request's tokens, and the steps in which the running rows got tokens before the long
+def _run(
+    loaded: Any, share: float, priority: int, length: int = 600
+) -> tuple[dict[str, list[int]], list[int]]:
+    """Two rows decoding, then a prompt of ``length`` tokens (read 32 a step) arrives: each
+    request's tokens, and the steps in which the running rows got tokens before the new
     prompt's first."""
     backend = MlxBackend(
         loaded,
@@ -91,7 +93,12 @@ def _run(loaded: Any, share: float, priority: int) -> tuple[dict[str, list[int]]
         plan = StepPlan()
         if step == 2:
             long = InsertSequence(
-                "long", tuple(range(100, 700)), 4, GREEDY, ignore_eos=True, priority=priority
+                "long",
+                tuple(range(100, 100 + length)),
+                4,
+                GREEDY,
+                ignore_eos=True,
+                priority=priority,
             )
             plan = StepPlan(inserts=(long,))
         for t in out.tokens:
@@ -123,3 +130,10 @@ def test_an_urgent_prompt_is_read_past_the_budget(loaded: Any) -> None:
     urgent, urgent_steps = _run(loaded, 0.1, priority=0)
     assert len(urgent_steps) == len(free_steps)
     assert urgent["long"] == free["long"]
+
+
+def test_a_prompt_that_fits_in_one_chunk_is_read_at_once(loaded: Any) -> None:
+    free, free_steps = _run(loaded, 1.0, priority=1, length=30)
+    short, short_steps = _run(loaded, 0.1, priority=1, length=30)
+    assert len(short_steps) == len(free_steps) <= 2
+    assert short["long"] == free["long"]

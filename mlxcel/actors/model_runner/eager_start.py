@@ -227,14 +227,14 @@ class EagerStartBatchGenerator(BatchGenerator):
         started = self._start_unread_rows()
         budget = self._budget
         decoding = len(compat.generation_batch(self)) > 0
-        if not budget.may_read(decoding, self._urgent_waiting()):
+        rows = min(
+            len(compat.prompt_batch(self)) + len(compat.waiting(self)), self.prefill_batch_size
+        )
+        self.prefill_step_size = budget.chunk(decoding, rows, self._full_chunk)
+        if not budget.may_read(decoding, self._exempt_waiting(self.prefill_step_size)):
             return started, self._decode_only()
         counters = compat.counters(self)
         decode0, tokens0 = counters.decode_time, counters.prompt_tokens
-        rows = len(compat.prompt_batch(self)) + len(compat.waiting(self))
-        self.prefill_step_size = budget.chunk(
-            decoding, min(rows, self.prefill_batch_size), self._full_chunk
-        )
         tic = time.perf_counter()
         prompt_responses, generation_responses = super()._next()
         self._start_read_rows(prompt_responses)
@@ -243,11 +243,15 @@ class EagerStartBatchGenerator(BatchGenerator):
         budget.read(time.perf_counter() - tic - decode, counters.prompt_tokens - tokens0, decoding)
         return started + prompt_responses, generation_responses
 
-    def _urgent_waiting(self) -> bool:
-        """Whether an urgent row is being read or waits to be."""
-        reading = compat.prompt_batch(self).uids
-        waiting = (compat.waiting_prompt(row)[0] for row in compat.waiting(self))
-        return any(self._urgent(uid) for uid in reading) or any(map(self._urgent, waiting))
+    def _exempt_waiting(self, chunk: int) -> bool:
+        """Whether a row read past the budget is being read or waits to be: an urgent one,
+        or a short one (what is left of its prompt fits in one chunk). The budget is for long
+        prompts: holding back ordinary chat turns would leave rows idle under a steady flow
+        of requests and lower everyone's throughput."""
+        rows = zip(compat.prompt_batch(self).uids, compat.reading(self), strict=True)
+        left = [(uid, segments) for uid, (segments, _) in rows]
+        left += [compat.waiting_prompt(row) for row in compat.waiting(self)]
+        return any(self._urgent(uid) or sum(map(len, segments)) <= chunk for uid, segments in left)
 
     def _decode_only(self) -> list[Any]:
         """mlx-lm's decode half of a step, leaving prompts unread (their budget is spent)."""

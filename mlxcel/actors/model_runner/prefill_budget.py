@@ -11,7 +11,10 @@ at once; only a long prompt, or a flood of them, is spread out. While rows decod
 also cut to about ``slice_s`` seconds of reading (from the measured prompt rate), so no step
 holds the running streams for long. With nothing decoding, prompts are read at full speed.
 
-A prompt marked urgent (a live voice turn, ``X-Priority: 0``) is read at once regardless.
+A prompt marked urgent (a live voice turn, ``X-Priority: 0``) is read at once regardless, and
+so is a short one (what is left of it fits in one such chunk): the budget is for long prompts,
+since holding back a steady flow of ordinary turns would leave rows idle and lower everyone's
+throughput.
 
 Pure bookkeeping with the caller's clock readings: unit-tested without a model.
 """
@@ -45,7 +48,7 @@ class PrefillBudget:
         return self.share >= 1.0
 
     def may_read(self, decoding: bool, urgent: bool) -> bool:
-        """Whether this step may read prompts."""
+        """Whether this step may read prompts (``urgent``: one waiting is exempt)."""
         if not decoding:
             self.credit = self.burst  # nobody to protect: an idle spell refills it
             return True
