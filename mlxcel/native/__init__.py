@@ -1,0 +1,101 @@
+"""Fast CPU matmuls for quantised and bfloat16 weights: an mlx C++ extension (``_ext``).
+
+mlx's CPU kernels for anything but float32 are 4-40x slower than OpenBLAS float32, so on the CPU
+mlxcel dequantises models to float32 and one decode stream reads ~4x more bytes per step than
+the quantised weights hold. ``quantized_matmul`` and ``bf16_matmul`` here dequantise or widen
+the weights in registers (AVX-512) and compute in float32, with mlx's own semantics, as graph
+nodes on mlx's CPU stream.
+
+``available()`` says whether the extension runs here (``reason()`` says why not); when it
+does not, both functions compute the same result with mlx ops, so callers need not care. The
+extension is built by ``python -m mlxcel.native`` (``tools/setup.sh`` runs it).
+
+This package imports ``mlx.core`` itself, not through ``mlxcel.models.mlx_setup``: the model
+loader is meant to import it, and importing the loader's package back would be a cycle. Import
+``mlxcel.models`` first (it preloads OpenBLAS), as every mlxcel entry point does.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from types import ModuleType
+
+import mlx.core as mx
+
+__all__ = ["ROWS_THRESHOLD", "available", "bf16_matmul", "quantized_matmul", "reason"]
+
+# Above this many rows (prefill chunks) the wrappers dequantise to float32 and let OpenBLAS do
+# the matmul: its float32 GEMM reuses each weight across rows far better than our register
+# tiles. Measured here (2 cores, AMD EPYC Zen 4, tools/bench/kernels.py, SmolLM2-135M shapes,
+# 4-bit g32), median ms ours / dequantise+OpenBLAS: see _THRESHOLD_NOTE in tools/bench/kernels.py
+# for the table; the crossover sits between 32 and 64 rows.
+ROWS_THRESHOLD = 32
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"mlxcel native kernels are for Linux x86-64, not {sys.platform} "
+    try:
+        from mlxcel.native import _ext
+    except ImportError as exc:
+        return None, f"mlxcel native kernels are not built ({exc}); run: python -m mlxcel.native"
+    if _ext.kernel_isa() != "avx512":
+        return None, "this CPU lacks AVX-512 (F/BW/VL/DQ): mlx's own kernels are used"
+    return _ext, ""
+
+
+_EXT, _LOAD_REASON = _load()
+
+
+def reason() -> str:
+    """One line saying why the kernels are not used here; empty when they are."""
+    if _LOAD_REASON:
+        return _LOAD_REASON
+    if mx.default_device() != mx.cpu:
+        return f"mlx's default device is {mx.default_device()}, not the CPU"
+    return ""
+
+
+def available() -> bool:
+    """Whether quantized_matmul and bf16_matmul run the native kernels for float32 inputs."""
+    return not reason()
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    *,
+    group_size: int,
+    bits: int,
+) -> mx.array:
+    """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` computed in float32.
+
+    ``w``, ``scales``, ``biases`` are as ``mx.quantize`` makes them (affine mode; scales and
+    biases float32, float16 or bfloat16). Float32 ``x`` [..., K] gives float32 [..., N]."""
+    if x.dtype == mx.float32 and _rows(x) <= ROWS_THRESHOLD and available():
+        assert _EXT is not None
+        return _EXT.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+    # float32 scales, so that neither path rounds a dequantised weight to 16 bits.
+    scales = scales.astype(mx.float32)
+    biases = biases.astype(mx.float32)
+    if x.dtype == mx.float32 and _rows(x) > ROWS_THRESHOLD:
+        weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
+        return x @ weight.T
+    return mx.quantized_matmul(
+        x, w, scales, biases, transpose=True, group_size=group_size, bits=bits
+    )
+
+
+def bf16_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w.T`` for bfloat16 ``w`` [N, K], computed in float32 (float32 ``x`` [..., K])."""
+    if x.dtype == mx.float32 and _rows(x) <= ROWS_THRESHOLD and available():
+        assert _EXT is not None
+        return _EXT.bf16_matmul(x, w)
+    return x @ w.astype(mx.float32).T
