@@ -81,7 +81,10 @@ def quantized_matmul(
     biases float32, float16 or bfloat16). Float32 ``x`` [..., K] gives float32 [..., N]."""
     if x.dtype == mx.float32 and _rows(x) <= ROWS_THRESHOLD and available():
         assert _EXT is not None
-        return _EXT.quantized_matmul(x, w, scales, biases, group_size=group_size, bits=bits)
+        out: mx.array = _EXT.quantized_matmul(
+            x, w, scales, biases, group_size=group_size, bits=bits
+        )
+        return out
     # float32 scales, so that neither path rounds a dequantised weight to 16 bits.
     scales = scales.astype(mx.float32)
     biases = biases.astype(mx.float32)
@@ -97,5 +100,6 @@ def bf16_matmul(x: mx.array, w: mx.array) -> mx.array:
     """``x @ w.T`` for bfloat16 ``w`` [N, K], computed in float32 (float32 ``x`` [..., K])."""
     if x.dtype == mx.float32 and _rows(x) <= ROWS_THRESHOLD and available():
         assert _EXT is not None
-        return _EXT.bf16_matmul(x, w)
+        out: mx.array = _EXT.bf16_matmul(x, w)
+        return out
     return x @ w.astype(mx.float32).T

@@ -97,7 +97,8 @@ def build(*, force: bool = False, jobs: int = 2) -> BuildResult:
             )
     built = sorted(_BUILD_DIR.glob("_ext.*.so"))
     if not built:
-        return BuildResult(ok=False, built=False, message=f"build made no _ext.*.so in {_BUILD_DIR}")
+        message = f"build made no _ext.*.so in {_BUILD_DIR}"
+        return BuildResult(ok=False, built=False, message=message)
     if current is not None:
         current.unlink()
     # Copy, then rename: a process that has the old module mapped keeps its inode.

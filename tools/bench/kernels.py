@@ -1,0 +1,99 @@
+"""Matmul kernels at SmolLM2-135M's shapes: OpenBLAS float32 vs mlx's quantized_matmul vs ours.
+
+    PYTHONPATH=. .venv/bin/python tools/bench/kernels.py [--rounds 7]
+
+For each [K -> N] projection and row count, ms per call (a batch of calls per mx.eval, as in a
+decode step, so one eval's overhead is spread) and GFLOP/s for: float32 ``x @ W.T``
+(OpenBLAS), mlx ``quantized_matmul`` 4-bit g32, dequantise + float32 matmul (the wrappers' path
+above ROWS_THRESHOLD), and ours (``mlxcel.native._ext``: 4-bit g32 and 8-bit g32 with float16
+scales, as GGUF Q4_1 / Q8_0 convert, and bfloat16). Variants are interleaved round by round and
+each figure is the median. Ratios are float32's time over the variant's (>1: faster). Ends with
+a decode-step estimate: 30 layers' projections plus the lm_head, at 1 and 16 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from mlxcel.models.mlx_setup import mx
+from mlxcel.native import _ext
+
+# (K, N): q and o, k and v, gate and up, down, lm_head.
+SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
+PER_LAYER = {(576, 576): 2, (576, 192): 2, (576, 1536): 2, (1536, 576): 1}
+LAYERS = 30
+ROWS = [1, 4, 8, 16, 32, 64]
+VARIANTS = ["f32", "mlx_q4", "deq_f32", "ours_q4", "ours_q8", "ours_bf16"]
+
+
+def _timed(fn: Callable[[], mx.array], calls: int) -> float:
+    start = time.perf_counter()
+    mx.eval([fn() for _ in range(calls)])
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def measure(k: int, n: int, rows: int, rounds: int) -> dict[str, float]:
+    weight = mx.random.normal((n, k)) * 0.05
+    w4, s4, b4 = mx.quantize(weight, group_size=32, bits=4)
+    w8, s8, b8 = mx.quantize(weight, group_size=32, bits=8)
+    s4, b4, s8, b8 = (a.astype(mx.float16) for a in (s4, b4, s8, b8))
+    wbf = weight.astype(mx.bfloat16)
+    x = mx.random.normal((rows, k))
+    mx.eval(weight, w4, s4, b4, w8, s8, b8, wbf, x)
+    fns: dict[str, Callable[[], mx.array]] = {
+        "f32": lambda: x @ weight.T,
+        "mlx_q4": lambda: mx.quantized_matmul(x, w4, s4, b4, group_size=32, bits=4),
+        "deq_f32": lambda: (
+            x
+            @ mx.dequantize(
+                w4, s4.astype(mx.float32), b4.astype(mx.float32), group_size=32, bits=4
+            ).T
+        ),
+        "ours_q4": lambda: _ext.quantized_matmul(x, w4, s4, b4, group_size=32, bits=4),
+        "ours_q8": lambda: _ext.quantized_matmul(x, w8, s8, b8, group_size=32, bits=8),
+        "ours_bf16": lambda: _ext.bf16_matmul(x, wbf),
+    }
+    # Enough calls per eval for ~2 ms of float32 work, at most 32.
+    calls = max(1, min(32, int(2e6 / max(1, k * n * rows // 50))))
+    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for name in VARIANTS:
+        _timed(fns[name], calls)  # warm-up
+    for _ in range(rounds):
+        for name in VARIANTS:
+            samples[name].append(_timed(fns[name], calls))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    print(f"threads: {_ext.pool_threads()}, kernels: {_ext.kernel_isa()}")
+    header = "shape K->N     rows " + " ".join(f"{v:>16}" for v in VARIANTS)
+    print(header + "    (ms per call, GFLOP/s; ratio = f32 ms / variant ms)")
+    results: dict[tuple[int, int, int], dict[str, float]] = {}
+    for k, n in SHAPES:
+        for rows in ROWS:
+            ms = measure(k, n, rows, args.rounds)
+            results[(k, n, rows)] = ms
+            flops = 2.0 * k * n * rows
+            cells = [f"{ms[v]:7.3f} {flops / ms[v] / 1e6:7.1f}" for v in VARIANTS]
+            ratios = " ".join(f"{ms['f32'] / ms[v]:5.2f}x" for v in VARIANTS[1:])
+            print(f"{k:5d}->{n:<6d} {rows:5d} " + " ".join(f"{c:>16}" for c in cells))
+            print(f"{'':18}ratios vs f32 ({', '.join(VARIANTS[1:])}): {ratios}")
+    print("\ndecode-step estimate (30 layers' 7 projections + lm_head), ms:")
+    for rows in (1, 16):
+        totals = {
+            v: LAYERS * sum(c * results[(k, n, rows)][v] for (k, n), c in PER_LAYER.items())
+            + results[(576, 49152, rows)][v]
+            for v in VARIANTS
+        }
+        line = "  ".join(f"{v} {t:7.2f} ({totals['f32'] / t:4.2f}x)" for v, t in totals.items())
+        print(f"  rows {rows:2d}: {line}")
+
+
+if __name__ == "__main__":
+    main()
