@@ -26,11 +26,14 @@ import mlx.core as mx
 __all__ = ["ROWS_THRESHOLD", "available", "bf16_matmul", "quantized_matmul", "reason"]
 
 # Above this many rows (prefill chunks) the wrappers dequantise to float32 and let OpenBLAS do
-# the matmul: its float32 GEMM reuses each weight across rows far better than our register
-# tiles. Measured here (2 cores, AMD EPYC Zen 4, tools/bench/kernels.py, SmolLM2-135M shapes,
-# 4-bit g32), median ms ours / dequantise+OpenBLAS: see _THRESHOLD_NOTE in tools/bench/kernels.py
-# for the table; the crossover sits between 32 and 64 rows.
-ROWS_THRESHOLD = 32
+# the matmul, which reuses each weight across rows better than our register tiles once there
+# are enough rows to pay for dequantising the whole matrix per call. Measured here (2 cores,
+# AMD EPYC Zen 4), 4-bit g32, median ms ours vs dequantise + OpenBLAS float32:
+#   576->1536:  64 rows 2.10 vs 3.89; 128 rows 2.99 vs 5.13; 256 rows 13.3 vs 7.0
+#   1536->576:  64 rows 1.78 vs 3.00; 128 rows 3.74 vs 5.57; 256 rows 8.2 vs 7.6
+#   576->49152: 128 rows 134 vs 340; 512 rows 815 vs 786
+# so the crossover lies between 128 and 256 rows (later for the lm_head).
+ROWS_THRESHOLD = 128
 
 
 def _load() -> tuple[ModuleType | None, str]:
