@@ -32,6 +32,9 @@ VARIANTS = ["f32", "mlx_q4", "deq_f32", "ours_q4", "ours_q8", "ours_bf16"]
 
 
 def _timed(fn: Callable[[], mx.array], calls: int) -> float:
+    # OpenBLAS's idle threads spin for ~0.1 s after a call (OPENBLAS_THREAD_TIMEOUT), taking
+    # a core from whatever runs next: each variant starts on a quiet machine.
+    time.sleep(0.15)
     start = time.perf_counter()
     mx.eval([fn() for _ in range(calls)])
     return (time.perf_counter() - start) / calls * 1e3

@@ -152,6 +152,12 @@ void q_tile(const QmmArgs& a, int m0, int n0, int n_end) {
       a.out[long(m0 + r) * a.N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+// A compile-time flag (no <type_traits>: this file includes nothing with inline code).
+template <bool B>
+struct Masked {
+  static constexpr bool value = B;
+};
+
 template <int MR, int NC>
 void bf16_tile(const Bf16Args& a, int m0, int n0, int n_end) {
   const int K = a.K;
@@ -165,19 +171,32 @@ void bf16_tile(const Bf16Args& a, int m0, int n0, int n_end) {
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int k = 0; k < K; k += 16) {
-    // A ragged end of K is read with masked loads (zeros beyond K add nothing).
-    const __mmask16 m = K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+  // Full 16-element chunks unmasked, then one masked chunk for a ragged end of K (zeros add
+  // nothing): with the mask computed in the main loop gcc spilled every accumulator per chunk.
+  const auto step = [&](int k, __mmask16 m, auto masked) __attribute__((always_inline)) {
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
       // bfloat16 is the high half of a float32: widen and shift.
-      const __m512 w = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, wcol[c] + k)), 16));
+      __m256i h;
+      if constexpr (decltype(masked)::value) {
+        h = _mm256_maskz_loadu_epi16(m, wcol[c] + k);
+      } else {
+        h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wcol[c] + k));
+      }
+      const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r)
-        acc[r][c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xrow[r] + k), acc[r][c]);
+      for (int r = 0; r < MR; ++r) {
+        if constexpr (decltype(masked)::value) {
+          acc[r][c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xrow[r] + k), acc[r][c]);
+        } else {
+          acc[r][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xrow[r] + k), acc[r][c]);
+        }
+      }
     }
-  }
+  };
+  int k = 0;
+  for (; k + 16 <= K; k += 16) step(k, __mmask16(0xffff), Masked<false>{});
+  if (k < K) step(k, __mmask16((1u << (K - k)) - 1), Masked<true>{});
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NC && n0 + c < n_end; ++c)
       a.out[long(m0 + r) * a.N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
