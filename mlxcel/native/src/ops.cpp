@@ -30,9 +30,12 @@ bool use_avx512() {
   return cpu_has_avx512() && !generic_forced.load(std::memory_order_relaxed);
 }
 
-// Below this many multiply-adds a call runs on one thread: waking a worker and joining it
-// costs a few microseconds, about what ~64k FMAs take one core at one row.
-constexpr long kThreadMinWork = 1L << 16;
+// Below this many multiply-adds a call runs on the calling thread alone. While mlx evaluates,
+// its main thread keeps encoding the graph as the stream's thread computes, so on a 2-core
+// machine a second worker competes with it: measured on SmolLM2-135M decode (1 row), one
+// thread for every call gave 29 ms/step, two threads for calls >= 64k MACs 45 ms. Above ~4M
+// MACs (the 49152-row lm_head, multi-row calls) the split pays: 1.3 vs ~2.6 ms for the lm_head.
+constexpr long kThreadMinWork = 1L << 22;
 
 // Splits columns [0, N) into tasks cut at multiples of the kernel's tile width, a few per
 // thread so that a core slowed by other work does not hold up the call.

@@ -1,7 +1,7 @@
 // A small persistent thread pool for splitting one matmul's output columns. A decode step makes
-// ~200 calls of 10-100 us each, so threads are created once; idle workers spin briefly (the
-// next call usually comes within microseconds) and then sleep on a futex, so they never hold a
-// core that OpenBLAS or Python needs for long.
+// ~200 calls of 10-100 us each, so threads are created once; idle workers poll for 50 us and
+// then sleep on a futex, so they never hold a core that mlx's main thread, OpenBLAS or Python
+// needs for long.
 #pragma once
 
 #include <atomic>
