@@ -28,21 +28,31 @@ __all__ = ["ROWS_THRESHOLD", "available", "bf16_matmul", "quantized_matmul", "re
 # Above this many rows (prefill chunks) the wrappers dequantise to float32 and let OpenBLAS do
 # the matmul, which reuses each weight across rows better than our register tiles once there
 # are enough rows to pay for dequantising the whole matrix per call. Measured here (2 cores,
-# AMD EPYC Zen 4), 4-bit g32, median ms ours vs dequantise + OpenBLAS float32:
-#   576->1536:  64 rows 2.10 vs 3.89; 128 rows 2.99 vs 5.13; 256 rows 13.3 vs 7.0
-#   1536->576:  64 rows 1.78 vs 3.00; 128 rows 3.74 vs 5.57; 256 rows 8.2 vs 7.6
-#   576->49152: 128 rows 134 vs 340; 512 rows 815 vs 786
-# so the crossover lies between 128 and 256 rows (later for the lm_head).
+# AMD EPYC Zen 4), 4-bit g32 float16 scales, median ms ours vs dequantise + OpenBLAS float32:
+#   576->1536:  64 rows 1.84 vs 5.09; 128 rows 3.70 vs 4.50; 256 rows 7.79 vs 5.17
+#   1536->576:  64 rows 1.83 vs 3.77; 128 rows 4.75 vs 5.30; 256 rows 5.99 vs 5.42
+#   576->49152: 128 rows 76 vs 265;   512 rows 394 vs 413
+# so the crossover lies between 128 and 256 rows for a layer (later for the lm_head).
 ROWS_THRESHOLD = 128
 
 
 def _load() -> tuple[ModuleType | None, str]:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"mlxcel native kernels are for Linux x86-64, not {sys.platform} "
+        where = f"{sys.platform} {platform.machine()}"
+        return None, f"mlxcel native kernels are for Linux x86-64, not {where}"
     try:
         from mlxcel.native import _ext
     except ImportError as exc:
         return None, f"mlxcel native kernels are not built ({exc}); run: python -m mlxcel.native"
+    try:
+        # Builds a graph node only (nothing is evaluated). A module built against another mlx
+        # or nanobind imports fine but cannot take mx.array arguments.
+        _ext.bf16_matmul(mx.zeros((1, 16)), mx.zeros((1, 16), dtype=mx.bfloat16))
+    except TypeError:
+        return None, (
+            "mlxcel native kernels were built against another mlx or nanobind; "
+            "rebuild: python -m mlxcel.native --force"
+        )
     if _ext.kernel_isa() != "avx512":
         return None, "this CPU lacks AVX-512 (F/BW/VL/DQ): mlx's own kernels are used"
     return _ext, ""
