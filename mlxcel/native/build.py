@@ -1,8 +1,10 @@
 """Build the extension (``_ext``) with CMake into this package's folder, when its inputs changed.
 
-The inputs are the sources, mlx's version and the nanobind version (a module built against one
-mlx and nanobind ABI must not be loaded with another), and the Python version; their digest is
-kept next to the module, so running this again with nothing changed costs a hash of ~40 KB.
+The inputs are the sources, mlx's version and the Python version (a module built against one
+mlx must not be loaded with another); their digest is kept next to the module with the
+nanobind version it was built with, so running this again with nothing changed costs a hash of
+~40 KB. A different nanobind installed since rebuilds too; none installed (it is only a build
+dependency) leaves a built module alone.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _digest() -> str:
     h = hashlib.sha256()
     for path in sorted([HERE / "CMakeLists.txt", *(HERE / "src").iterdir()]):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
-    for part in (_version("mlx"), _version("nanobind"), sys.version):
+    for part in (_version("mlx"), sys.version):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
@@ -63,15 +65,17 @@ def _tool(path: str) -> str | None:
 def build(*, force: bool = False, jobs: int = 2) -> BuildResult:
     """Configure and compile if the module is missing or stale (or ``force``); blocking."""
     digest = _digest()
+    nanobind = _version("nanobind")
     current = _module_path()
     if not force and current is not None and _STAMP.is_file():
-        if _STAMP.read_text().strip() == digest:
+        built_digest, _, built_nanobind = _STAMP.read_text().strip().partition(" ")
+        if built_digest == digest and nanobind in ("none", built_nanobind):
             return BuildResult(ok=True, built=False, message=f"up to date: {current.name}")
     cmake, cxx = _tool(_CMAKE), _tool(_CXX)
     if cmake is None or cxx is None:
         missing = " and ".join(n for n, p in (("cmake", cmake), ("g++", cxx)) if p is None)
         return BuildResult(ok=False, built=False, message=f"not built: no {missing} here")
-    if _version("nanobind") == "none":
+    if nanobind == "none":
         return BuildResult(
             ok=False, built=False, message="not built: nanobind is not installed (setup.sh pins it)"
         )
@@ -106,5 +110,5 @@ def build(*, force: bool = False, jobs: int = 2) -> BuildResult:
     tmp = target.with_suffix(".so.tmp")
     shutil.copy2(built[0], tmp)
     tmp.replace(target)
-    _STAMP.write_text(digest + "\n")
+    _STAMP.write_text(f"{digest} {nanobind}\n")
     return BuildResult(ok=True, built=True, message=f"built {target.name}")
