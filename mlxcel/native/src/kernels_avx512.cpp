@@ -103,7 +103,8 @@ void q_tile(const QmmArgs& a, int m0, int n0, int n_end) {
     for (long k = g0 * gs; k < k_end; k += 32) {
       if (chunk == 0) {
         // 4-bit: a 16-entry table of this group's dequantised values, indexed by the nibble
-        // (vpermps reads only the low 4 bits of each index). 8-bit: scale and bias.
+        // (vpermps reads only the low 4 bits of each index). 8-bit: scale and bias. (Measured
+        // against and + cvtdq2ps + fma per 16 nibbles: 1536x576 at 1 row 74 vs 92 us.)
 #pragma GCC unroll 8
         for (int c = 0; c < NC; ++c) {
           if constexpr (BITS == 4) {
