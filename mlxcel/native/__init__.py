@@ -10,10 +10,10 @@ nodes on mlx's CPU stream.
 does not, both functions compute the same result with mlx ops, so callers need not care. The
 extension is built by ``python -m mlxcel.native`` (``tools/setup.sh`` runs it).
 
-Threads: calls of >= 4M multiply-adds split their output columns over a small persistent pool,
-one thread per physical core (``MLXCEL_NATIVE_THREADS`` overrides); idle workers poll for
-``MLXCEL_NATIVE_SPIN_US`` (50) microseconds, then sleep. Smaller calls (a decode step's layer
-projections) run on mlx's stream thread alone: on 2 cores a second worker competes with mlx's
+Threads: calls of >= 512k multiply-adds (``MLXCEL_NATIVE_THREAD_MIN_MACS``) split their output
+columns over a small persistent pool, one thread per physical core (``MLXCEL_NATIVE_THREADS``
+overrides); idle workers poll for ``MLXCEL_NATIVE_SPIN_US`` (50) microseconds, then sleep.
+Smaller calls run on mlx's stream thread alone: on 2 cores a second worker competes with mlx's
 main thread, which encodes the graph while the stream computes (see src/ops.cpp).
 
 This package imports ``mlx.core`` itself, not through ``mlxcel.models.mlx_setup``: the model

@@ -1,6 +1,7 @@
 #include "ops.h"
 
 #include <atomic>
+#include <cstdlib>
 #include <sstream>
 #include <stdexcept>
 #include <vector>
@@ -32,10 +33,19 @@ bool use_avx512() {
 
 // Below this many multiply-adds a call runs on the calling thread alone. While mlx evaluates,
 // its main thread keeps encoding the graph as the stream's thread computes, so on a 2-core
-// machine a second worker competes with it: measured on SmolLM2-135M decode (1 row), one
-// thread for every call gave 29 ms/step, two threads for calls >= 64k MACs 45 ms. Above ~4M
-// MACs (the 49152-row lm_head, multi-row calls) the split pays: 1.3 vs ~2.6 ms for the lm_head.
-constexpr long kThreadMinWork = 1L << 22;
+// machine a second worker competes with it. Measured on SmolLM2-135M decode (1 row, ms/step):
+// every call >= 64k MACs split 45, none split (1 thread) 29-40; >= 4M (only the lm_head) 40
+// and 33, >= 512k (also gate/up/down, 884k) 33 and 32. Split calls gain ~1.5-2x in isolation
+// (lm_head 1.3 vs ~2.6 ms).
+// MLXCEL_NATIVE_THREAD_MIN_MACS overrides it.
+long thread_min_work() {
+  static const long value = [] {
+    const char* env = std::getenv("MLXCEL_NATIVE_THREAD_MIN_MACS");
+    const long v = env ? std::atol(env) : -1;
+    return v >= 0 ? v : 1L << 19;
+  }();
+  return value;
+}
 
 // Splits columns [0, N) into tasks cut at multiples of the kernel's tile width, a few per
 // thread so that a core slowed by other work does not hold up the call.
@@ -43,7 +53,7 @@ template <class Kernel>
 void run_columns(int M, int N, int K, int tile, Kernel kernel) {
   Pool& pool = Pool::instance();
   const long tiles = (long(N) + tile - 1) / tile;
-  long tasks = long(M) * N * K < kThreadMinWork ? 1 : long(pool.threads()) * 4;
+  long tasks = long(M) * N * K < thread_min_work() ? 1 : long(pool.threads()) * 4;
   if (tasks > tiles) tasks = tiles;
   if (tasks <= 1) return kernel(0, N);
   pool.run(int(tasks), [&](int t) {
