@@ -90,40 +90,46 @@ def steps(loaded: LoadedModel, counts: list[int]) -> None:
 def admit(
     loaded: LoadedModel, rows: int, prompt: int, chunk: int, after: int, share: float
 ) -> None:
+    """Rows decoding, a long prompt arriving; then the same rows for as many steps with no
+    arrival (the control: their contexts grow the same way), so the ratio is the arrival's."""
     settings = Settings(
         parallel=rows + 1,
         cache_ram_mib=0,
-        ctx_size=prompt + 512,
+        ctx_size=prompt + 1024,
         prefill_chunk_size=chunk,
         prefill_share=share,
     )
-    backend = decoding(loaded, rows, settings)
-    tok = loaded.tokenizer
+    text = "The history of the world is long. " * (prompt // 6 + 1)
+    ids = tuple(loaded.tokenizer.encode(text)[:prompt])
+    long = InsertSequence("long", ids, after + 8, GREEDY)
 
-    def step(plan: StepPlan) -> tuple[float, int, bool]:
+    def step(backend: MlxBackend, plan: StepPlan) -> tuple[float, int, bool]:
         tic = time.perf_counter()
         out = backend.apply(plan)
         took = time.perf_counter() - tic
         running = sum(1 for t in out.tokens if t.request_id.startswith("r"))
         return took, running, any(t.request_id == "long" for t in out.tokens)
 
-    before = [step(StepPlan()) for _ in range(10)]
-    base = sum(n for _, n, _ in before) / sum(t for t, _, _ in before)
-    text = "The history of the world is long. " * (prompt // 6 + 1)
-    ids = tuple(tok.encode(text)[:prompt])
-    during = [step(StepPlan(inserts=(InsertSequence("long", ids, after + 8, GREEDY),)))]
+    def rate(spell: list[tuple[float, int, bool]]) -> float:
+        return sum(n for _, n, _ in spell) / sum(t for t, _, _ in spell)
+
+    backend = decoding(loaded, rows, settings)
+    during = [step(backend, StepPlan(inserts=(long,)))]
     while not during[-1][2]:
-        during.append(step(StepPlan()))
-    joined = [step(StepPlan()) for _ in range(after)]
+        during.append(step(backend, StepPlan()))
+    joined = [step(backend, StepPlan()) for _ in range(after)]
+    del backend
+    control = decoding(loaded, rows, settings)
+    alone = [step(control, StepPlan()) for _ in range(len(during))]
+    alone_after = [step(control, StepPlan()) for _ in range(after)]
     ttft = sum(t for t, _, _ in during)
-    rate = sum(n for _, n, _ in during) / ttft
-    later = sum(n for _, n, _ in joined) / sum(t for t, _, _ in joined)
     print(
-        f"{rows} rows decoding: {base:.1f} tok/s. A {prompt}-token prompt arrives (chunk "
-        f"{chunk}, --prefill-share {share}): its first token after {ttft:.2f} s "
-        f"({len(during)} steps); the running rows meanwhile {rate:.1f} tok/s "
-        f"({rate / base:.2f}x); over the {after} steps after it joined {later:.1f} tok/s "
-        f"({later / base:.2f}x)"
+        f"{rows} rows decoding, a {prompt}-token prompt arrives (chunk {chunk}, "
+        f"--prefill-share {share}): its first token after {ttft:.2f} s ({len(during)} "
+        f"steps). Running rows meanwhile {rate(during):.1f} tok/s against {rate(alone):.1f} "
+        f"with no arrival ({rate(during) / rate(alone):.2f}x); over the {after} steps after "
+        f"it joined {rate(joined):.1f} against {rate(alone_after):.1f} "
+        f"({rate(joined) / rate(alone_after):.2f}x)"
     )
     print("step ms while admitted:", [round(t * 1000) for t, _, _ in during])
     print("step ms after:", [round(t * 1000) for t, _, _ in joined])
