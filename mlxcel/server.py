@@ -53,7 +53,12 @@ def build_mlx_backend(settings: Settings) -> Backend:
     from mlxcel.models.resolve import resolve_model
 
     resolved = resolve_model(settings.model, settings.cache_dir)
-    loaded = load_model(resolved, keep_quantized=settings.keep_quantized)
+    # --batch-invariant keeps every layer on float32 BLAS, whose results it has checked.
+    loaded = load_model(
+        resolved, keep_quantized=settings.keep_quantized, native=not settings.batch_invariant
+    )
+    if loaded.native_layers:
+        log.info("%d quantised layers on mlxcel's native CPU kernels", loaded.native_layers)
     if settings.chat_template is not None:
         # --chat-template[-file]: the tokenizer renders with it, and every format detection
         # (reasoning markers, tool calls, /props) reads it instead of the model's own.
@@ -62,7 +67,10 @@ def build_mlx_backend(settings: Settings) -> Backend:
     draft = None
     if settings.spec_kind == "draft":
         assert settings.model_draft is not None
-        draft = load_model(resolve_model(settings.model_draft, settings.cache_dir))
+        draft = load_model(
+            resolve_model(settings.model_draft, settings.cache_dir),
+            native=not settings.batch_invariant,
+        )
         log.info("draft model %s (%s) from %s", draft.model_id, draft.dtype, draft.path)
     backend = MlxBackend(loaded, settings, draft)
     log.info("loaded %s from %s on %s", backend.info.description, loaded.path, backend.info.device)

@@ -11,6 +11,7 @@ stored, as mlx_lm.server keeps them. Nothing runs at import time; call
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,8 +28,19 @@ from mlxcel.models import device, fast_lm
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
+from mlxcel.native import available as _native_available
+from mlxcel.native import layers as native_layers
 
-__all__ = ["DTYPES", "LoadedModel", "load_model", "model_meta", "release_thread_streams"]
+__all__ = [
+    "DTYPES",
+    "LoadedModel",
+    "load_model",
+    "model_meta",
+    "native_enabled",
+    "release_thread_streams",
+]
+
+_NATIVE = (native_layers.NativeQuantizedLinear, native_layers.NativeQuantizedEmbedding)
 
 DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -67,15 +79,24 @@ class LoadedModel:
     dtype: str
     quantized: bool
     config: dict[str, Any] = attrs.field(repr=False)
+    # Quantised layers running on mlxcel's native CPU kernels (0: none).
+    native_layers: int = 0
 
 
 def load_model(
-    resolved: ResolvedModel, *, dtype: str | None = None, keep_quantized: bool = False
+    resolved: ResolvedModel,
+    *,
+    dtype: str | None = None,
+    keep_quantized: bool = False,
+    native: bool = True,
 ) -> LoadedModel:
     """Load ``resolved`` with mlx_lm; blocking, evaluates all weights before returning.
 
     ``dtype`` None is the device's choice: float32 on the CPU, the stored precision on a GPU,
-    where quantised weights are kept too (``keep_quantized`` is for the CPU).
+    where quantised weights are kept too (``keep_quantized`` is for the CPU). On the CPU,
+    affine 4/8-bit layers run on mlxcel's native kernels (``mlxcel.native``) with their
+    weights as stored, when they are built and ``native`` (``MLXCEL_NATIVE=0`` turns them off
+    too); other quantised layers are dequantised to float32.
 
     Raises ``IncompatibleMlxLm`` first when the installed mlx-lm is not one we tested."""
     from mlx_lm.utils import get_total_parameters, load
@@ -100,7 +121,10 @@ def load_model(
         raise UnsupportedModel(
             f"cannot load model {resolved.model_id!r} from {resolved.path}: {exc}"
         ) from exc
+    on_native = 0
     if not keep_quantized and cpu:
+        if native and native_enabled():
+            on_native = native_layers.install(model)
         _dequantize(model)
     if dtype is None:
         dtype = _stored_dtype(model)
@@ -124,6 +148,7 @@ def load_model(
         dtype=dtype,
         quantized=_is_quantized(model),
         config=config,
+        native_layers=on_native,
     )
 
 
@@ -175,7 +200,7 @@ def _dequantize(model: Module) -> None:
 
     replaced: list[tuple[str, Module]] = []
     for name, module in model.named_modules():
-        if not isinstance(module, _quantized_classes()):
+        if not isinstance(module, _quantized_classes()) or isinstance(module, _NATIVE):
             continue
         scales = module["scales"]
         biases = module.get("biases")
@@ -204,6 +229,12 @@ def _dequantize(model: Module) -> None:
         replaced.append((name, new))
     if replaced:
         model.update_modules(tree_unflatten(replaced))
+
+
+def native_enabled() -> bool:
+    """Whether quantised layers may run on the native kernels here (built, an AVX-512 CPU,
+    mlx on the CPU, and ``MLXCEL_NATIVE`` not ``0``)."""
+    return os.environ.get("MLXCEL_NATIVE", "1") != "0" and _native_available()
 
 
 def _stored_dtype(model: Module) -> str:

@@ -1,8 +1,8 @@
-"""Put a loaded model's quantised layers on the native kernels, and check it against float32.
+"""A model on the native kernels against the same model in float32.
 
-``install`` is what the loader would do with a model kept quantised; ``compare_greedy`` is the
-model-level check (tests/unit/test_native_kernels.py runs it on the default model): same greedy
-tokens, logits within a tolerance of the float32 model's.
+``compare_greedy`` is the model-level check (tests/unit/test_native_kernels.py runs it on the
+default model, as the loader sets it up): same greedy tokens, logits within a tolerance of the
+float32 model's.
 """
 
 from __future__ import annotations
@@ -13,75 +13,7 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.native import quantized_matmul
-
-__all__ = ["Comparison", "compare_greedy", "install"]
-
-_BITS = (4, 8)
-_GROUPS = (32, 64, 128)
-
-
-class NativeQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose matmul is mlxcel.native.quantized_matmul."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            group_size=self.group_size,
-            bits=self.bits,
-        )
-        return y + self["bias"] if "bias" in self else y
-
-
-class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose tied output projection (as_linear) is native, and whose
-    lookup dequantises in float32 (mlx's rounds each row to the scales' float16)."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return mx.dequantize(
-            self["weight"][x],
-            scales=self["scales"][x].astype(mx.float32),
-            biases=self["biases"][x].astype(mx.float32),
-            group_size=self.group_size,
-            bits=self.bits,
-        )
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        return quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self["biases"],
-            group_size=self.group_size,
-            bits=self.bits,
-        )
-
-
-def _fits(module: nn.Module) -> bool:
-    return (
-        getattr(module, "mode", "affine") == "affine"
-        and getattr(module, "bits", None) in _BITS
-        and getattr(module, "group_size", None) in _GROUPS
-        and "biases" in module
-    )
-
-
-def install(model: nn.Module) -> int:
-    """Switch the affine 4/8-bit QuantizedLinear and QuantizedEmbedding layers of ``model`` to
-    the native kernels in place (same parameters, new class); returns how many."""
-    count = 0
-    for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear and _fits(module):
-            module.__class__ = NativeQuantizedLinear
-        elif type(module) is nn.QuantizedEmbedding and _fits(module):
-            module.__class__ = NativeQuantizedEmbedding
-        else:
-            continue
-        count += 1
-    return count
+__all__ = ["Comparison", "compare_greedy"]
 
 
 @attrs.frozen

@@ -169,18 +169,31 @@ def test_rejects_mismatched_shapes() -> None:
 
 @pytest.mark.slow
 @needs_ext
-def test_default_model_on_native_kernels() -> None:
+def test_default_model_on_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader puts the default model's Q4_1 layers on the kernels (weights as stored) and
+    it says what float32 says."""
+    from mlx.utils import tree_flatten
+
     from mlxcel.models.loader import load_model
     from mlxcel.models.resolve import resolve_model
-    from mlxcel.native.check import compare_greedy, install
+    from mlxcel.native.check import compare_greedy
+    from mlxcel.native.layers import NativeQuantizedEmbedding, NativeQuantizedLinear
 
     resolved = resolve_model(None)
-    reference = load_model(resolved)
-    quantized = load_model(resolved, keep_quantized=True)
+    reference = load_model(resolved, native=False)
+    quantized = load_model(resolved)
     # 30 layers x 7 projections, plus the tied embedding (lookup and lm_head).
-    assert install(quantized.model) == 211
+    assert (reference.native_layers, quantized.native_layers) == (0, 211)
+    assert quantized.quantized and not reference.quantized
+    kinds = {type(m) for _, m in quantized.model.named_modules()}
+    assert {NativeQuantizedLinear, NativeQuantizedEmbedding} <= kinds
+    # ~5x fewer bytes of weights than float32.
+    size = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))  # noqa: E731
+    assert size(quantized.model) * 4 < size(reference.model)
     prompt = reference.tokenizer.encode("The capital of France is")
     result = compare_greedy(reference.model, quantized.model, prompt, steps=8)
     assert result.candidate_tokens == result.reference_tokens
     # Measured 2.2e-6: float32 throughout, only summation order differs.
     assert result.max_rel_diff < 2e-5, result
+    monkeypatch.setenv("MLXCEL_NATIVE", "0")
+    assert load_model(resolved).native_layers == 0

@@ -1,0 +1,81 @@
+"""A loaded model's affine 4/8-bit layers, run on the native kernels (``mlxcel.native``).
+
+The loader calls ``install`` on the CPU instead of dequantising those layers to float32: the
+weights stay as stored (a Q4_1 GGUF's 4.5 bits per weight rather than 32), and every matmul
+computes in float32 from them, so the logits are the float32 model's up to summation order.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxcel.native import quantized_matmul
+
+__all__ = ["NativeQuantizedEmbedding", "NativeQuantizedLinear", "fits", "install"]
+
+_BITS = (4, 8)
+_GROUPS = (32, 64, 128)
+
+
+class NativeQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear whose matmul is mlxcel.native.quantized_matmul."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+        return y + self["bias"] if "bias" in self else y
+
+
+class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose tied output projection (as_linear) is native, and whose
+    lookup dequantises in float32 (mlx's rounds each row to the scales' float16)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.dequantize(
+            self["weight"][x],
+            scales=self["scales"][x].astype(mx.float32),
+            biases=self["biases"][x].astype(mx.float32),
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self["biases"],
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+
+def fits(module: nn.Module) -> bool:
+    return (
+        getattr(module, "mode", "affine") == "affine"
+        and getattr(module, "bits", None) in _BITS
+        and getattr(module, "group_size", None) in _GROUPS
+        and "biases" in module
+    )
+
+
+def install(model: nn.Module) -> int:
+    """Switch the affine 4/8-bit QuantizedLinear and QuantizedEmbedding layers of ``model`` to
+    the native kernels in place (same parameters, new class); returns how many."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and fits(module):
+            module.__class__ = NativeQuantizedLinear
+        elif type(module) is nn.QuantizedEmbedding and fits(module):
+            module.__class__ = NativeQuantizedEmbedding
+        else:
+            continue
+        count += 1
+    return count
