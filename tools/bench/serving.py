@@ -743,6 +743,12 @@ def main() -> int:
         "--model", default=None, help="MLX model folder (default: the embedded SmolLM2 one)"
     )
     ap.add_argument(
+        "--mlxcel-float32",
+        action="store_true",
+        help="give mlxcel the peers' float32 copy too (by default it loads the folder itself: "
+        "a quantised model's layers run on its native kernels)",
+    )
+    ap.add_argument(
         "--keep-quantized",
         action="store_true",
         help="use a quantised --model as is (mlxcel still dequantises it at load on the CPU; "
@@ -797,9 +803,11 @@ def main() -> int:
             return max(a.requests_per_level, c)
         return c if a.quick else max(4, 2 * c)
 
-    model = a.model or default_model_path()
-    if not a.keep_quantized:
-        model = float32_folder(model)
+    # mlxcel serves the folder as a user's server does (a quantised one on the native kernels,
+    # the default model's included); the MLX peers get the float32 copy, their fastest here.
+    source = a.model or default_model_path()
+    model = source if a.keep_quantized else float32_folder(source)
+    ours_model = model if a.mlxcel_float32 else source
     parallel = a.parallel or max(levels)
     logdir = Path(tempfile.mkdtemp(prefix="mlxcel-bench-"))
     # Asked in a child: this process stays free of mlx (it only drives the load).
@@ -812,7 +820,8 @@ def main() -> int:
     )
     print(
         f"device: {where.stdout.strip() or where.stderr.strip()}\n"
-        f"model: {model}\nlevels: {levels}, tokens/request: {a.tokens}, "
+        f"model: {ours_model} (mlxcel), {model} (MLX peers)\n"
+        f"levels: {levels}, tokens/request: {a.tokens}, "
         f"requests/level: {[n_for(c) for c in levels]}, logs: {logdir}",
         flush=True,
     )
@@ -841,7 +850,7 @@ def main() -> int:
         if key in a.skip:
             continue
         if key == "mlxcel":
-            srv = ours(model, parallel, logdir, a.mlxcel_arg)
+            srv = ours(ours_model, parallel, logdir, a.mlxcel_arg)
         elif key == "mlx_lm":
             srv = mlx_lm_server(model, parallel, logdir)
         elif llama is not None:

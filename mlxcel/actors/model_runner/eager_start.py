@@ -230,9 +230,15 @@ class EagerStartBatchGenerator(BatchGenerator):
         rows = min(
             len(compat.prompt_batch(self)) + len(compat.waiting(self)), self.prefill_batch_size
         )
-        self.prefill_step_size = budget.chunk(decoding, rows, self._full_chunk)
-        if not budget.may_read(decoding, self._exempt_waiting(self.prefill_step_size)):
+        # A prompt that one chunk would read alone is exempt, and read whole (with the others
+        # being read, in full chunks): holding back a steady flow of ordinary chat turns
+        # would leave rows idle and lower everyone's throughput.
+        exempt = self._exempt_waiting(budget.chunk(decoding, 1, self._full_chunk))
+        if not budget.may_read(decoding, exempt):
             return started, self._decode_only()
+        self.prefill_step_size = (
+            self._full_chunk if exempt else budget.chunk(decoding, rows, self._full_chunk)
+        )
         counters = compat.counters(self)
         decode0, tokens0 = counters.decode_time, counters.prompt_tokens
         tic = time.perf_counter()
@@ -245,9 +251,7 @@ class EagerStartBatchGenerator(BatchGenerator):
 
     def _exempt_waiting(self, chunk: int) -> bool:
         """Whether a row read past the budget is being read or waits to be: an urgent one,
-        or a short one (what is left of its prompt fits in one chunk). The budget is for long
-        prompts: holding back ordinary chat turns would leave rows idle under a steady flow
-        of requests and lower everyone's throughput."""
+        or a short one (what is left of its prompt is at most ``chunk``)."""
         rows = zip(compat.prompt_batch(self).uids, compat.reading(self), strict=True)
         left = [(uid, segments) for uid, (segments, _) in rows]
         left += [compat.waiting_prompt(row) for row in compat.waiting(self)]
