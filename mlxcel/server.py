@@ -124,7 +124,11 @@ async def serve(
     plans_tx, plans_rx = trio.open_memory_channel[StepPlan](0)
     outputs_tx, outputs_rx = trio.open_memory_channel[StepOutput](0)
     stream_tx, stream_rx = trio.open_memory_channel[StreamerInbox](64)
-    tokenized_tx, tokenized_rx = trio.open_memory_channel[SchedulerInbox](settings.max_queue_depth)
+    # Requests admitted but not started: up to --max-queue-depth waiting, plus --parallel on
+    # their way to free slots (admission.py).
+    tokenized_tx, tokenized_rx = trio.open_memory_channel[SchedulerInbox](
+        settings.max_queue_depth + settings.parallel
+    )
     submit_tx, submit_rx = trio.open_memory_channel[Submit](0)
 
     async with trio.open_nursery() as root:
@@ -183,7 +187,13 @@ async def serve(
         )
         await root.start(tokenizer.run)
         gate = Admission if side.generation else GenerationDisabled
-        admission = gate(max_queue_depth=settings.max_queue_depth, outbox=submit_tx, aborts=aborts)
+        admission = gate(
+            max_queue_depth=settings.max_queue_depth,
+            outbox=submit_tx,
+            aborts=aborts,
+            parallel=settings.parallel,
+            free_slots=scheduler.free_rows,
+        )
         await root.start(admission.run)
         session_store = open_session_store(settings)
         await root.start(session_store.run)

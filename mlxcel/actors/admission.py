@@ -10,6 +10,7 @@ running, or any stage that drops it).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import trio
 
@@ -32,11 +33,23 @@ def validate(request: GenerationRequest) -> None:
 
 class Admission:
     def __init__(
-        self, *, max_queue_depth: int, outbox: trio.MemorySendChannel[Submit], aborts: AbortBox
+        self,
+        *,
+        max_queue_depth: int,
+        outbox: trio.MemorySendChannel[Submit],
+        aborts: AbortBox,
+        parallel: int = 0,
+        free_slots: Callable[[], int] = lambda: 0,
     ) -> None:
-        self._limiter = trio.CapacityLimiter(max_queue_depth)
+        """``max_queue_depth`` counts requests waiting for a slot: a request admitted while
+        ``free_slots()`` (at most ``parallel``) are free is on its way to one, not waiting,
+        so 64 requests arriving at once at a ``--parallel 64`` server all run."""
+        self._depth = max_queue_depth
+        self._parallel = parallel
+        self._free_slots = free_slots
+        self._limiter = trio.CapacityLimiter(max_queue_depth + parallel)
         # Every item in the lane holds a reservation, so the lane can never be full.
-        self._lane_tx, self._lane_rx = trio.open_memory_channel[Submit](max_queue_depth)
+        self._lane_tx, self._lane_rx = trio.open_memory_channel[Submit](max_queue_depth + parallel)
         self._outbox = outbox
         self._aborts = aborts
         self._draining = False
@@ -70,6 +83,9 @@ class Admission:
             raise ShuttingDown()
         validate(request)
         borrower = (request.request_id, next(self._ids))
+        free = max(0, min(self._free_slots(), self._parallel))
+        if self.queued >= self._depth + free:
+            raise ServerBusy()
         try:
             self._limiter.acquire_on_behalf_of_nowait(borrower)
         except trio.WouldBlock:

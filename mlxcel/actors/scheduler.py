@@ -95,6 +95,11 @@ class Scheduler:
             cache=self._cache_stats,
         )
 
+    def free_rows(self) -> int:
+        """Batch rows no running request holds (admission: requests queued beyond these are
+        the ones waiting for a slot)."""
+        return self._state.parallel - self._state.rows
+
     def slot_items(self) -> list[tuple[Tokenized, int] | None]:
         """Per slot: the request in it and which of its choices, or None when free. Live
         objects, for this actor and the tests; everyone else reads ``statistics()``."""

@@ -122,6 +122,46 @@ async def test_full_queue_is_503_before_any_stream_byte(smollm_tokenizer: Any) -
                 assert r.headers["retry-after"] == "1"
 
 
+async def test_a_burst_as_wide_as_the_batch_is_not_turned_away(smollm_tokenizer: Any) -> None:
+    """--max-queue-depth counts requests waiting for a slot: a burst that free slots take is
+    not waiting, so 6 requests arriving at once at a --parallel 4 server with a queue of 2 all
+    run, and the 7th, beyond both, is a 503."""
+    async with fake_server(smollm_tokenizer, parallel=4, max_queue_depth=2, step_delay=0.05) as (
+        client,
+        _,
+        ctx,
+    ):
+        from mlxcel.runtime.errors import ServerBusy
+        from mlxcel.runtime.messages import GenerationRequest, SamplingParams, TextPrompt
+
+        gate = admission(ctx)
+
+        def request(i: int) -> GenerationRequest:
+            return GenerationRequest(
+                request_id=f"burst-{i}",
+                prompt=TextPrompt(text="Hi"),
+                sampling=SamplingParams(),
+                max_tokens=3,
+            )
+
+        # Submitted back to back, before any is tokenized or scheduled.
+        slots = [gate.submit(request(i)) for i in range(6)]
+        with pytest.raises(ServerBusy):
+            gate.submit(request(6))
+        await wait_until(lambda: all(s.done for s in slots))
+        # Over HTTP too: a burst of 6 streams all answer 200.
+        async with trio.open_nursery() as nursery:
+            codes: list[int] = []
+
+            async def one() -> None:
+                r = await client.post("/v1/chat/completions", json=chat(max_tokens=3))
+                codes.append(r.status_code)
+
+            for _ in range(6):
+                nursery.start_soon(one)
+        assert codes == [200] * 6
+
+
 async def test_disconnect_mid_prefill_stops_within_one_chunk(smollm_tokenizer: Any) -> None:
     long_prompt = "word " * 6000  # ~6000 tokens: 12 chunks of 512
     async with fake_server(smollm_tokenizer, ctx_size=16384, step_delay=0.05) as (
