@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -187,8 +188,11 @@ def test_default_model_on_native_kernels(monkeypatch: pytest.MonkeyPatch) -> Non
     assert quantized.quantized and not reference.quantized
     kinds = {type(m) for _, m in quantized.model.named_modules()}
     assert {NativeQuantizedLinear, NativeQuantizedEmbedding} <= kinds
+
+    def size(model: Any) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
     # ~5x fewer bytes of weights than float32.
-    size = lambda m: sum(v.nbytes for _, v in tree_flatten(m.parameters()))  # noqa: E731
     assert size(quantized.model) * 4 < size(reference.model)
     prompt = reference.tokenizer.encode("The capital of France is")
     result = compare_greedy(reference.model, quantized.model, prompt, steps=8)
