@@ -33,7 +33,9 @@ def resolved(cache_dir: Path) -> ResolvedModel:
 
 @pytest.fixture(scope="module")
 def smol(resolved: ResolvedModel) -> LoadedModel:
-    return load_model(resolved)
+    # The dequantised float32 path (the native kernels' own checks are in
+    # test_native_kernels.py; they compare against this path).
+    return load_model(resolved, native=False)
 
 
 @pytest.fixture(scope="module")
