@@ -56,9 +56,7 @@ def server_children() -> list[int]:
 
 @pytest.fixture(scope="module")
 def managed(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
-    # One slot and a one-deep queue, so that the 503 test can fill it with two requests.
-    # Without speculation: the tiny model falls into loops that n-grams predict, and would
-    # finish the first request's 900 tokens in a few dozen steps, before the queue is full.
+    # --n-predict 12 keeps every answer short (and is itself under test).
     with mlxcel.LLM(
         tiny_model_dir,
         alias="tiny",
@@ -139,8 +137,28 @@ def test_tokenize_and_detokenize(managed: mlxcel.LLM) -> None:
     assert len(managed.tokenize("Hello world", add_special=True)) >= len(ids)
 
 
-def test_full_queue_is_a_503_api_status_error(managed: mlxcel.LLM) -> None:
+@pytest.fixture(scope="module")
+def one_slot(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
+    # One slot and a one-deep queue, and no --n-predict cap (the `managed` server's 12 would end
+    # the running request in a tenth of a second): the 503 test fills both with two requests.
+    # Without speculation: the tiny model falls into loops that n-grams predict, and would
+    # finish the first request's 900 tokens in a few dozen steps, before the queue is full.
+    with mlxcel.LLM(
+        tiny_model_dir,
+        alias="tiny",
+        ctx_size=1024,
+        warmup=False,
+        extra_args=["--parallel", "1", "--max-queue-depth", "1", "--no-audio", "--no-spec-ngram"],
+        max_retries=0,
+        startup_timeout=120,
+    ) as llm:
+        yield llm
+
+
+def test_full_queue_is_a_503_api_status_error(one_slot: mlxcel.LLM) -> None:
+    managed = one_slot
     # One slot, one queue place (see the fixture): a running and a queued request fill both.
+    # The running one takes ~5 s for its 900 tokens here.
     running = managed.stream(
         "Tell me a long story.", max_tokens=900, extra_body={"ignore_eos": True}
     )

@@ -141,7 +141,9 @@ def test_a_saved_prompt_longer_than_the_context_is_refused(
 
 
 def test_a_slot_in_use_is_busy(server: ServerProcess) -> None:
-    body = {"prompt": PROMPT, "n_predict": 64, "ignore_eos": True, "stream": True, "id_slot": 1}
+    # Long enough that it is still running when the action arrives: a sampled answer that falls
+    # into a loop is drafted by n-gram speculation many tokens a step (64 took 0.2 s once).
+    body = {"prompt": PROMPT, "n_predict": 400, "ignore_eos": True, "stream": True, "id_slot": 1}
     with httpx.stream("POST", f"{server.base_url}/completion", json=body, timeout=120) as s:
         next(s.iter_lines())  # generating now, in slot 1
         r = action(server, 1, "save", filename="busy.bin")
