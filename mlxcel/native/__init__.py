@@ -29,17 +29,26 @@ from types import ModuleType
 
 import mlx.core as mx
 
-__all__ = ["ROWS_THRESHOLD", "available", "bf16_matmul", "quantized_matmul", "reason"]
+__all__ = [
+    "BF16_ROWS_THRESHOLD",
+    "ROWS_THRESHOLD",
+    "available",
+    "bf16_matmul",
+    "quantized_matmul",
+    "reason",
+]
 
 # Above this many rows (prefill chunks) the wrappers dequantise to float32 and let OpenBLAS do
-# the matmul, which reuses each weight across rows better than our register tiles once there
-# are enough rows to pay for dequantising the whole matrix per call. Measured here (2 cores,
-# AMD EPYC Zen 4), 4-bit g32 float16 scales, median ms ours vs dequantise + OpenBLAS float32:
-#   576->1536:  64 rows 1.84 vs 5.09; 128 rows 3.70 vs 4.50; 256 rows 7.79 vs 5.17
-#   1536->576:  64 rows 1.83 vs 3.77; 128 rows 4.75 vs 5.30; 256 rows 5.99 vs 5.42
-#   576->49152: 128 rows 76 vs 265;   512 rows 394 vs 413
-# so the crossover lies between 128 and 256 rows for a layer (later for the lm_head).
-ROWS_THRESHOLD = 128
+# the matmul: once there are enough rows to pay for dequantising the whole matrix per call,
+# OpenBLAS's GEMM beats our rows kernel. Measured here (2 cores, AMD EPYC Zen 4, g32 float16
+# scales, `tools/bench/kernels.py --rows 128 256 512`), median ms ours vs dequantise + OpenBLAS:
+#   4-bit 576->1536:  128 rows 1.48 vs 2.96; 256 rows 2.74 vs 4.04; 512 rows 5.14 vs 6.24
+#   4-bit 1536->576:  128 rows 1.93 vs 4.07; 256 rows 3.39 vs 4.08; 512 rows 6.85 vs 6.40
+#   4-bit 576->576:   128 rows 0.99 vs 1.71; 256 rows 2.04 vs 2.58; 512 rows 3.91 vs 2.66
+#   8-bit 1536->576:  128 rows 3.08 vs 4.07; 256 rows 6.25 vs 4.08
+# so 4-bit crosses over between 256 and 512 rows, 8-bit between 128 and 256.
+ROWS_THRESHOLD = {4: 256, 8: 128}
+BF16_ROWS_THRESHOLD = 128
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -98,7 +107,8 @@ def quantized_matmul(
 
     ``w``, ``scales``, ``biases`` are as ``mx.quantize`` makes them (affine mode; scales and
     biases float32, float16 or bfloat16). Float32 ``x`` [..., K] gives float32 [..., N]."""
-    if x.dtype == mx.float32 and _rows(x) <= ROWS_THRESHOLD and available():
+    native_rows = _rows(x) <= ROWS_THRESHOLD.get(bits, 0)
+    if x.dtype == mx.float32 and native_rows and available():
         assert _EXT is not None
         out: mx.array = _EXT.quantized_matmul(
             x, w, scales, biases, group_size=group_size, bits=bits
@@ -107,7 +117,7 @@ def quantized_matmul(
     # float32 scales, so that neither path rounds a dequantised weight to 16 bits.
     scales = scales.astype(mx.float32)
     biases = biases.astype(mx.float32)
-    if x.dtype == mx.float32 and _rows(x) > ROWS_THRESHOLD:
+    if x.dtype == mx.float32 and not native_rows:
         weight = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
         return x @ weight.T
     return mx.quantized_matmul(
@@ -117,7 +127,7 @@ def quantized_matmul(
 
 def bf16_matmul(x: mx.array, w: mx.array) -> mx.array:
     """``x @ w.T`` for bfloat16 ``w`` [N, K], computed in float32 (float32 ``x`` [..., K])."""
-    if x.dtype == mx.float32 and _rows(x) <= ROWS_THRESHOLD and available():
+    if x.dtype == mx.float32 and _rows(x) <= BF16_ROWS_THRESHOLD and available():
         assert _EXT is not None
         out: mx.array = _EXT.bf16_matmul(x, w)
         return out

@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 from mlxcel.models.mlx_setup import mx
-from mlxcel.native import ROWS_THRESHOLD, available, bf16_matmul, quantized_matmul, reason
+from mlxcel.native import (
+    BF16_ROWS_THRESHOLD,
+    ROWS_THRESHOLD,
+    available,
+    bf16_matmul,
+    quantized_matmul,
+    reason,
+)
 from mlxcel.native.build import HERE
 
 _STAMP = HERE / ".build-stamp"
@@ -80,15 +87,17 @@ def test_rows(rows: int, bits: int) -> None:
 
 
 @needs_ext
-@pytest.mark.parametrize("k", [64, 576, 1536])
+@pytest.mark.parametrize(
+    ("k", "group"),
+    # Every group size that divides K (mlx quantises no other).
+    [(k, g) for k in (64, 576, 1536) for g in (32, 64, 128) if k % g == 0],
+)
 @pytest.mark.parametrize("n", [1, 7, 64, 576, 1536])
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_shapes(k: int, n: int, bits: int, group: int) -> None:
-    if k % group:
-        pytest.skip(f"K={k} is not a multiple of group {group}")
+def test_shapes(k: int, group: int, n: int, bits: int) -> None:
     w, s, b, dense = _quantized(n, k, bits, group, mx.bfloat16)
-    for rows in (1, 3, 16):
+    # 1-8 rows take the tiles, 16 and 40 the rows kernel (one and several 16-row vectors).
+    for rows in (1, 3, 16, 40):
         x = mx.random.normal((rows, k))
         _check(_qmm(x, w, s, b, group, bits), x, dense)
 
@@ -99,7 +108,7 @@ def test_shapes(k: int, n: int, bits: int, group: int) -> None:
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_scale_dtypes(scale_dtype: mx.Dtype, bits: int, group: int) -> None:
     w, s, b, dense = _quantized(576, 1536, bits, group, scale_dtype)
-    for rows in (1, 8):
+    for rows in (1, 8, 16, 40):
         x = mx.random.normal((rows, 1536))
         _check(_qmm(x, w, s, b, group, bits), x, dense)
 
@@ -151,12 +160,14 @@ def test_bf16(rows: int, n: int, k: int) -> None:
     _check(bf16_matmul(x, w), x, w.astype(mx.float32))
 
 
-def test_wrappers_above_the_row_threshold() -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_wrappers_above_the_row_threshold(bits: int) -> None:
     # Prefill-sized inputs go to dequantise + float32 matmul, with or without the extension.
-    w, s, b, dense = _quantized(64, 576, 4, 32, mx.bfloat16)
-    x = mx.random.normal((ROWS_THRESHOLD + 1, 576))
-    _check(quantized_matmul(x, w, s, b, group_size=32, bits=4), x, dense)
+    w, s, b, dense = _quantized(64, 576, bits, 32, mx.bfloat16)
+    x = mx.random.normal((ROWS_THRESHOLD[bits] + 1, 576))
+    _check(quantized_matmul(x, w, s, b, group_size=32, bits=bits), x, dense)
     wb = dense.astype(mx.bfloat16)
+    x = mx.random.normal((BF16_ROWS_THRESHOLD + 1, 576))
     _check(bf16_matmul(x, wb), x, wb.astype(mx.float32))
 
 

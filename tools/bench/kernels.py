@@ -27,7 +27,7 @@ from mlxcel.native import _ext
 SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 PER_LAYER = {(576, 576): 2, (576, 192): 2, (576, 1536): 2, (1536, 576): 1}
 LAYERS = 30
-ROWS = [1, 4, 8, 16, 32, 64]
+ROWS = [1, 4, 8, 16, 32, 64, 128]
 VARIANTS = ["f32", "mlx_q4", "deq_f32", "ours_q4", "ours_q8", "ours_bf16"]
 # ROWS above mlxcel.native.ROWS_THRESHOLD go to dequantise + float32 in the wrappers; the
 # ours_* columns call the kernels directly at every row count.
@@ -143,7 +143,12 @@ def main() -> None:
     parser.add_argument(
         "--decode-only", action="store_true", help="only the default model's decode step"
     )
+    parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="row counts to measure")
+    parser.add_argument(
+        "--shapes", nargs="+", help="K:N pairs (default: every SmolLM2-135M projection)"
+    )
     args = parser.parse_args()
+    shapes = [tuple(map(int, p.split(":"))) for p in args.shapes] if args.shapes else SHAPES
     if args.decode_only:
         decode_step(args.rounds)
         return
@@ -151,8 +156,8 @@ def main() -> None:
     header = "shape K->N     rows " + " ".join(f"{v:>16}" for v in VARIANTS)
     print(header + "    (ms per call, GFLOP/s; ratio = f32 ms / variant ms)")
     results: dict[tuple[int, int, int], dict[str, float]] = {}
-    for k, n in SHAPES:
-        for rows in ROWS:
+    for k, n in shapes:
+        for rows in args.rows:
             ms = measure(k, n, rows, args.rounds)
             results[(k, n, rows)] = ms
             flops = 2.0 * k * n * rows
@@ -160,6 +165,8 @@ def main() -> None:
             ratios = " ".join(f"{ms['f32'] / ms[v]:5.2f}x" for v in VARIANTS[1:])
             print(f"{k:5d}->{n:<6d} {rows:5d} " + " ".join(f"{c:>16}" for c in cells))
             print(f"{'':18}ratios vs f32 ({', '.join(VARIANTS[1:])}): {ratios}")
+    if set(shapes) != set(SHAPES) or not {1, 16} <= set(args.rows):
+        return
     print("\ndecode-step estimate (30 layers' 7 projections + lm_head), ms:")
     for rows in (1, 16):
         totals = {

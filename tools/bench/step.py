@@ -71,7 +71,7 @@ def forward_ms(loaded: LoadedModel, rows: int, n: int = 20) -> float:
 
 
 def steps(loaded: LoadedModel, counts: list[int]) -> None:
-    params = sum(v.size for _, v in _leaves(loaded.model.parameters()))
+    params = _weights(loaded.model)
     size = f"2 x {params / 1e6:.0f}M x rows"
     print(f"| rows | ms/step | tok/s | GFLOP/s ({size}) | forward alone ms |")
     print("|---:|---:|---:|---:|---:|")
@@ -135,10 +135,19 @@ def admit(
     print("step ms after:", [round(t * 1000) for t, _, _ in joined])
 
 
-def _leaves(tree: object) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
-    return [(k, v) for k, v in tree_flatten(tree) if isinstance(v, mx.array)]
+def _weights(model: object) -> int:
+    """Multiply-adds per row and token: every weight, packed quantised ones counted unpacked
+    (their uint32 words hold 32 / bits weights each; scales and biases are not weights)."""
+    total = 0
+    for _, module in model.named_modules():  # type: ignore[attr-defined]  # an nn.Module
+        bits = getattr(module, "bits", None)
+        for name, value in module.parameters().items():
+            if not isinstance(value, mx.array):
+                continue  # a child module's tree: counted when its turn comes
+            if bits is not None and name in ("scales", "biases"):
+                continue
+            total += value.size * 32 // bits if bits and value.dtype == mx.uint32 else value.size
+    return total
 
 
 def main() -> None:

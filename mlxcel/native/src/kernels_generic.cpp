@@ -103,4 +103,15 @@ void qmm_prepare_x(const float* x, float* xp, int M, int K) {
   }
 }
 
+void qmm_transpose_x(const float* x, float* xT, int M, int Mp, int K, bool nibble_order) {
+  for (int k = 0; k < K; ++k) {
+    // Position k of the (reordered) chunk reads input src of x.
+    const int j = k % 32;
+    const int src = nibble_order ? k - j + (j < 16 ? 2 * j : 2 * (j - 16) + 1) : k;
+    float* dst = xT + long(k) * Mp;
+    for (int m = 0; m < M; ++m) dst[m] = x[long(m) * K + src];
+    for (int m = M; m < Mp; ++m) dst[m] = 0.0f;
+  }
+}
+
 }  // namespace mlxcel_native

@@ -180,6 +180,14 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
         qmm_generic(args, n0, n1);
       });
     }
+    if (args.M >= kRowsKernelMin) {
+      const int Mp = (args.M + 15) / 16 * 16;
+      std::vector<float> xT(size_t(Mp) * args.K);
+      qmm_transpose_x(args.x, xT.data(), args.M, Mp, args.K, args.bits == 4);
+      return run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
+        qmm_rows_avx512(args, xT.data(), Mp, n0, n1);
+      });
+    }
     std::vector<float> xp;
     if (args.bits == 4) {
       xp.resize(size_t(args.M) * args.K);
