@@ -54,20 +54,26 @@ def server_children() -> list[int]:
     return sorted(found)
 
 
-@pytest.fixture(scope="module")
-def managed(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
-    # --n-predict 12 keeps every answer short (and is itself under test).
-    with mlxcel.LLM(
+def _one_slot_server(tiny_model_dir: Path, n_predict: int | None) -> mlxcel.LLM:
+    # One slot and a one-deep queue. No audio models, so /v1/models lists the chat model alone.
+    # Without speculation: the tiny model falls into loops that n-grams predict, and would
+    # finish a 900-token request in a few dozen steps.
+    return mlxcel.LLM(
         tiny_model_dir,
         alias="tiny",
         ctx_size=1024,
-        n_predict=12,
+        n_predict=n_predict,
         warmup=False,
-        # No audio models, so /v1/models lists the chat model alone.
         extra_args=["--parallel", "1", "--max-queue-depth", "1", "--no-audio", "--no-spec-ngram"],
         max_retries=0,
         startup_timeout=120,
-    ) as llm:
+    )
+
+
+@pytest.fixture(scope="module")
+def managed(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
+    # --n-predict 12 keeps every answer short (and is itself under test).
+    with _one_slot_server(tiny_model_dir, 12) as llm:
         yield llm
 
 
@@ -139,19 +145,9 @@ def test_tokenize_and_detokenize(managed: mlxcel.LLM) -> None:
 
 @pytest.fixture(scope="module")
 def one_slot(tiny_model_dir: Path) -> Iterator[mlxcel.LLM]:
-    # One slot and a one-deep queue, and no --n-predict cap (the `managed` server's 12 would end
-    # the running request in a tenth of a second): the 503 test fills both with two requests.
-    # Without speculation: the tiny model falls into loops that n-grams predict, and would
-    # finish the first request's 900 tokens in a few dozen steps, before the queue is full.
-    with mlxcel.LLM(
-        tiny_model_dir,
-        alias="tiny",
-        ctx_size=1024,
-        warmup=False,
-        extra_args=["--parallel", "1", "--max-queue-depth", "1", "--no-audio", "--no-spec-ngram"],
-        max_retries=0,
-        startup_timeout=120,
-    ) as llm:
+    # No --n-predict cap (the `managed` server's 12 would end the running request in a tenth
+    # of a second): the 503 test fills the slot and the queue with two requests.
+    with _one_slot_server(tiny_model_dir, None) as llm:
         yield llm
 
 
