@@ -105,6 +105,7 @@ def load_model(
 
     mlx_lm_compat.install()
     cpu = device.on_cpu()
+    chosen = dtype is not None
     if dtype is None and cpu:
         dtype = "float32"
     if dtype is not None and dtype not in DTYPES:
@@ -122,14 +123,20 @@ def load_model(
             f"cannot load model {resolved.model_id!r} from {resolved.path}: {exc}"
         ) from exc
     on_native = 0
+    kept: set[str] = set()
     if not keep_quantized and cpu:
         if native and native_enabled():
             on_native = native_layers.install(model)
+            if not chosen:
+                # A bfloat16 checkpoint's projections stay bfloat16 (half float32's bytes per
+                # token); asking for a dtype gets that dtype everywhere.
+                kept = set(native_layers.install_bf16(model))
+                on_native += len(kept)
         _dequantize(model)
     if dtype is None:
         dtype = _stored_dtype(model)
     else:
-        _cast(model, DTYPES[dtype])
+        _cast(model, DTYPES[dtype], keep=kept)
     mx.eval(model.parameters())
     fast_lm.install(model)  # vectorised softmax / SwiGLU on the CPU (see fast_lm)
 
@@ -250,13 +257,16 @@ def _stored_dtype(model: Module) -> str:
     return max(sizes, key=sizes.__getitem__) if sizes else "float32"
 
 
-def _cast(model: Module, dtype: mx.Dtype) -> None:
+def _cast(model: Module, dtype: mx.Dtype, keep: set[str] | frozenset[str] = frozenset()) -> None:
     from mlx.utils import tree_map_with_path
 
     def cast(path: str, value: mx.array) -> mx.array:
         # Quantised layers keep their scales/biases as packed (the kernels
-        # accept any float activations); everything else follows ``dtype``.
+        # accept any float activations), and the native bfloat16 layers their weights
+        # (``keep``); everything else follows ``dtype``.
         if path.endswith((".scales", ".biases")) or not mx.issubdtype(value.dtype, mx.floating):
+            return value
+        if path in keep:
             return value
         return value.astype(dtype)
 

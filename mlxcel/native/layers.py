@@ -1,8 +1,10 @@
-"""A loaded model's affine 4/8-bit layers, run on the native kernels (``mlxcel.native``).
+"""A loaded model's affine 4/8-bit and bfloat16 layers, run on the native kernels
+(``mlxcel.native``).
 
-The loader calls ``install`` on the CPU instead of dequantising those layers to float32: the
-weights stay as stored (a Q4_1 GGUF's 4.5 bits per weight rather than 32), and every matmul
-computes in float32 from them, so the logits are the float32 model's up to summation order.
+The loader calls ``install`` (and ``install_bf16``) on the CPU instead of converting those
+layers to float32: the weights stay as stored (a Q4_1 GGUF's 4.5 bits per weight, a bfloat16
+checkpoint's 16, rather than 32), and every matmul computes in float32 from them, so the
+logits are the float32 model's up to summation order (bfloat16 widens to float32 exactly).
 """
 
 from __future__ import annotations
@@ -10,9 +12,17 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.native import quantized_matmul
+from mlxcel.native import bf16_matmul, quantized_matmul
 
-__all__ = ["NativeQuantizedEmbedding", "NativeQuantizedLinear", "fits", "install"]
+__all__ = [
+    "NativeBf16Embedding",
+    "NativeBf16Linear",
+    "NativeQuantizedEmbedding",
+    "NativeQuantizedLinear",
+    "fits",
+    "install",
+    "install_bf16",
+]
 
 _BITS = (4, 8)
 _GROUPS = (32, 64, 128)
@@ -79,3 +89,41 @@ def install(model: nn.Module) -> int:
             continue
         count += 1
     return count
+
+
+class NativeBf16Linear(nn.Linear):
+    """nn.Linear that keeps its bfloat16 weight and multiplies with mlxcel.native.bf16_matmul
+    (float32 activations; the bias, if any, is float32)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = bf16_matmul(x, self["weight"])
+        return y + self["bias"] if "bias" in self else y
+
+
+class NativeBf16Embedding(nn.Embedding):
+    """nn.Embedding that keeps its bfloat16 table: rows widen to float32 on lookup, and the
+    tied output projection (as_linear) is native."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self["weight"][x].astype(mx.float32)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return bf16_matmul(x, self["weight"])
+
+
+def install_bf16(model: nn.Module) -> list[str]:
+    """Switch the Linear and Embedding layers of ``model`` whose weight is bfloat16 to the
+    native kernels in place; returns the paths of the weights they keep in bfloat16 (the
+    loader casts everything else to float32)."""
+    kept: list[str] = []
+    for name, module in model.named_modules():
+        if "weight" not in module or module["weight"].dtype != mx.bfloat16:
+            continue
+        if type(module) is nn.Linear:
+            module.__class__ = NativeBf16Linear
+        elif type(module) is nn.Embedding:
+            module.__class__ = NativeBf16Embedding
+        else:
+            continue
+        kept.append(f"{name}.weight" if name else "weight")
+    return kept

@@ -84,9 +84,11 @@ def build_tiny_model(
     chat_template: str | None = None,
     cache_dir: Path | None = None,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> Path:
     """Write the tiny model folder into ``dest`` (created) and return ``dest``.
 
+    ``dtype`` is the precision the weights are stored in ("float32", "bfloat16", ...).
     The tokenizer files come from the cached conversion of the packaged
     SmolLM2 GGUF (``cache_dir`` defaults to ``$MLXCEL_CACHE_DIR``), and so does
     the chat template unless ``chat_template`` is given.
@@ -102,8 +104,8 @@ def build_tiny_model(
         config_path.write_text(
             json.dumps(tokenizer_config, indent=2, ensure_ascii=False), encoding="utf-8"
         )
-    (dest / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2), encoding="utf-8")
-    mx.save_safetensors(
-        str(dest / "model.safetensors"), _random_weights(seed), metadata={"format": "mlx"}
-    )
+    config = {**TINY_CONFIG, "torch_dtype": dtype}
+    (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in _random_weights(seed).items()}
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     return dest

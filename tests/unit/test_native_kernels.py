@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,3 +213,34 @@ def test_default_model_on_native_kernels(monkeypatch: pytest.MonkeyPatch) -> Non
     assert result.max_rel_diff < 2e-5, result
     monkeypatch.setenv("MLXCEL_NATIVE", "0")
     assert load_model(resolved).native_layers == 0
+
+
+@needs_ext
+def test_bfloat16_checkpoint_on_native_kernels(tmp_path: Path) -> None:
+    """A bfloat16 checkpoint keeps its projections in bfloat16 on the CPU (half float32's
+    bytes) and says what the same weights widened to float32 say."""
+    from mlx.utils import tree_flatten
+
+    from mlxcel.models.loader import load_model
+    from mlxcel.models.resolve import resolve_model
+    from mlxcel.native.check import compare_greedy
+    from mlxcel.native.layers import NativeBf16Embedding, NativeBf16Linear
+    from tests.support.tiny_model import build_tiny_model
+
+    resolved = resolve_model(str(build_tiny_model(tmp_path / "tiny-bf16", dtype="bfloat16")))
+    reference = load_model(resolved, native=False)
+    kept = load_model(resolved)
+    # 2 layers x 7 projections, the lm_head and the embedding table.
+    assert (reference.native_layers, kept.native_layers) == (0, 16)
+    kinds = {type(m) for _, m in kept.model.named_modules()}
+    assert {NativeBf16Linear, NativeBf16Embedding} <= kinds
+    dtypes = {path: v.dtype for path, v in tree_flatten(kept.model.parameters())}
+    assert dtypes["model.layers.0.mlp.down_proj.weight"] == mx.bfloat16
+    assert dtypes["model.norm.weight"] == mx.float32
+    assert all(v.dtype == mx.float32 for _, v in tree_flatten(reference.model.parameters()))
+    prompt = reference.tokenizer.encode("The capital of France is")
+    result = compare_greedy(reference.model, kept.model, prompt, steps=8)
+    assert result.candidate_tokens == result.reference_tokens
+    assert result.max_rel_diff < 2e-5, result
+    # Asking for a dtype gets it everywhere.
+    assert load_model(resolved, dtype="float32").native_layers == 0

@@ -45,12 +45,13 @@ void qmm_prepare_x(const float* x, float* xp, int M, int K);
 // Column-tile width the AVX-512 kernels use at M rows: thread ranges are cut at multiples.
 int avx512_tile_cols(int M);
 
-// From this many rows on, quantized matmuls take the rows kernel: x transposed by
+// From this many rows on, quantized and bfloat16 matmuls take the rows kernel: x transposed by
 // qmm_transpose_x, then qmm_rows_avx512 (see kernels_avx512.cpp for why).
 constexpr int kRowsKernelMin = 12;
 // xT [K, Mp] = x [M, K] transposed (Mp: M rounded up to 16), rows M..Mp zero; `nibble_order`: each 32-element chunk of
 // K in qmm_prepare_x's order (4-bit).
 void qmm_transpose_x(const float* x, float* xT, int M, int Mp, int K, bool nibble_order);
 void qmm_rows_avx512(const QmmArgs& a, const float* xT, int Mp, int n0, int n1);
+void bf16mm_rows_avx512(const Bf16Args& a, const float* xT, int Mp, int n0, int n1);
 
 }  // namespace mlxcel_native

@@ -237,9 +237,26 @@ void rows_tile(const float* xT, int Mp, const float* wbuf, int kn, __m512* acc_i
     for (int c = 0; c < NC; ++c) acc_io[v * NC + c] = acc[v][c];
 }
 
-// Columns [n0, n0 + NC) for every row (columns at or past n_end repeat the last valid one).
-template <int BITS, int NC, ScaleType ST>
-void rows_block(const QmmArgs& a, const float* xT, int Mp, int n0, int n_end) {
+// bfloat16 weights [N, K] of columns col[0..NC) for inputs [kb, kb + kn), widened to float32
+// into wbuf as dequant_block lays them out (natural order; any K).
+template <int NC>
+void widen_bf16_block(const Bf16Args& a, const long* col, long kb, int kn, float* wbuf) {
+  for (int c = 0; c < NC; ++c) {
+    const uint16_t* src = a.w + col[c] * long(a.K) + kb;
+    float* dst = wbuf + c * kWStride;
+    for (int k = 0; k < kn; k += 16) {
+      const __mmask16 m = kn - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (kn - k)) - 1);
+      const __m256i h = _mm256_maskz_loadu_epi16(m, src + k);
+      _mm512_store_ps(
+          dst + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+  }
+}
+
+// Columns [n0, n0 + NC) for every row (columns at or past n_end repeat the last valid one);
+// `load(col, kb, kn, wbuf)` puts the block's weights in wbuf as float32.
+template <int NC, class Args, class Load>
+void rows_block(const Args& a, const float* xT, int Mp, int n0, int n_end, Load load) {
   long col[NC];
   for (int c = 0; c < NC; ++c) col[c] = n0 + c < n_end ? n0 + c : n_end - 1;
   alignas(64) float wbuf[NC * kWStride];
@@ -249,7 +266,7 @@ void rows_block(const QmmArgs& a, const float* xT, int Mp, int n0, int n_end) {
     const int me = Mp - ms < kSuperRows ? Mp : ms + kSuperRows;
     for (long kb = 0; kb < a.K; kb += kKBlock) {
       const int kn = a.K - kb < kKBlock ? int(a.K - kb) : kKBlock;
-      dequant_block<BITS, NC, ST>(a, col, kb, kn, wbuf);
+      load(col, kb, kn, wbuf);
       for (int m = ms; m < me;) {
         __m512* acc_io = acc + (m - ms) / 16 * NC;
         const float* xk = xT + kb * Mp + m;
@@ -276,16 +293,30 @@ constexpr int rows_cols(int M) {
   return M <= 16 ? 24 : 12;
 }
 
+template <int NC, int BITS, ScaleType ST>
+void qmm_rows_block(const QmmArgs& a, const float* xT, int Mp, int n, int n1) {
+  rows_block<NC>(a, xT, Mp, n, n1, [&a](const long* col, long kb, int kn, float* wbuf) {
+    dequant_block<BITS, NC, ST>(a, col, kb, kn, wbuf);
+  });
+}
+
 template <int BITS, ScaleType ST>
 void qmm_rows_typed(const QmmArgs& a, const float* xT, int Mp, int n0, int n1) {
   const int nc = rows_cols(a.M);
   for (int n = n0; n < n1; n += nc) {
     if (nc == 24) {
-      rows_block<BITS, 24, ST>(a, xT, Mp, n, n1);
+      qmm_rows_block<24, BITS, ST>(a, xT, Mp, n, n1);
     } else {
-      rows_block<BITS, 12, ST>(a, xT, Mp, n, n1);
+      qmm_rows_block<12, BITS, ST>(a, xT, Mp, n, n1);
     }
   }
+}
+
+template <int NC>
+void bf16_rows_block(const Bf16Args& a, const float* xT, int Mp, int n, int n1) {
+  rows_block<NC>(a, xT, Mp, n, n1, [&a](const long* col, long kb, int kn, float* wbuf) {
+    widen_bf16_block<NC>(a, col, kb, kn, wbuf);
+  });
 }
 
 template <int BITS>
@@ -409,6 +440,17 @@ int avx512_tile_cols(int M) {
 void qmm_rows_avx512(const QmmArgs& a, const float* xT, int Mp, int n0, int n1) {
   if (a.bits == 4) return qmm_rows_bits<4>(a, xT, Mp, n0, n1);
   return qmm_rows_bits<8>(a, xT, Mp, n0, n1);
+}
+
+void bf16mm_rows_avx512(const Bf16Args& a, const float* xT, int Mp, int n0, int n1) {
+  const int nc = rows_cols(a.M);
+  for (int n = n0; n < n1; n += nc) {
+    if (nc == 24) {
+      bf16_rows_block<24>(a, xT, Mp, n, n1);
+    } else {
+      bf16_rows_block<12>(a, xT, Mp, n, n1);
+    }
+  }
 }
 
 void qmm_avx512(const QmmArgs& a, int n0, int n1) {

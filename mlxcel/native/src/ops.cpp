@@ -236,6 +236,14 @@ void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
         bf16mm_generic(args, n0, n1);
       });
     }
+    if (args.M >= kRowsKernelMin) {
+      const int Mp = (args.M + 15) / 16 * 16;
+      std::vector<float> xT(size_t(Mp) * args.K);
+      qmm_transpose_x(args.x, xT.data(), args.M, Mp, args.K, false);
+      return run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
+        bf16mm_rows_avx512(args, xT.data(), Mp, n0, n1);
+      });
+    }
     run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
       bf16mm_avx512(args, n0, n1);
     });
