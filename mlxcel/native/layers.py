@@ -105,7 +105,8 @@ class NativeBf16Embedding(nn.Embedding):
     tied output projection (as_linear) is native."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self["weight"][x].astype(mx.float32)
+        rows: mx.array = self["weight"][x]
+        return rows.astype(mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return bf16_matmul(x, self["weight"])
