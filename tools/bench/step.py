@@ -1,7 +1,7 @@
 """Where a decode step's time goes, driving the model runner's backend directly (no HTTP, no
 Trio): issue 22's first measurements.
 
-    .venv/bin/python tools/bench/step.py steps [--rows 1 16 32 64]
+    .venv/bin/python tools/bench/step.py steps [--rows 1 16 32 64] [--model DIR] [--dtype D]
     .venv/bin/python tools/bench/step.py admit [--rows 16] [--prompt 2000] [--chunk 512]
         [--after 20] [--share 0.2]
 
@@ -161,8 +161,15 @@ def main() -> None:
     a.add_argument("--chunk", type=int, default=512)
     a.add_argument("--after", type=int, default=20, help="steps measured after it joins")
     a.add_argument("--share", type=float, default=Settings().prefill_share)
+    for p in (s, a):
+        p.add_argument("--model", help="model folder or GGUF (default: the embedded SmolLM2)")
+        p.add_argument(
+            "--dtype",
+            choices=["float32", "bfloat16", "float16"],
+            help="convert every weight to this (default: as the server loads it)",
+        )
     args = ap.parse_args()
-    loaded = load_model(resolve_model(None))
+    loaded = load_model(resolve_model(args.model), dtype=args.dtype)
     if args.what == "steps":
         steps(loaded, args.rows)
     else:
