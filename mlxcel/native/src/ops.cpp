@@ -64,6 +64,31 @@ void run_columns(int M, int N, int K, int tile, Kernel kernel) {
   });
 }
 
+// What both primitives do on the CPU: nothing for empty shapes, zeros for K=0, the portable
+// kernel without AVX-512, the rows kernel from kRowsKernelMin rows on (x transposed once;
+// `nibble_order` for 4-bit), else `tiles(args)` (the register tiles, with any preparation).
+template <class Args, class Generic, class Rows, class Tiles>
+void run_matmul(const Args& args, bool avx, bool nibble_order, Generic generic, Rows rows,
+                Tiles tiles) {
+  if (args.M == 0 || args.N == 0) return;
+  if (args.K == 0) {
+    std::fill(args.out, args.out + long(args.M) * args.N, 0.0f);
+    return;
+  }
+  if (!avx) {
+    return run_columns(args.M, args.N, args.K, 1, [&](int n0, int n1) { generic(args, n0, n1); });
+  }
+  if (args.M >= kRowsKernelMin) {
+    const int Mp = (args.M + 15) / 16 * 16;
+    std::vector<float> xT(size_t(Mp) * args.K);
+    qmm_transpose_x(args.x, xT.data(), args.M, Mp, args.K, nibble_order);
+    return run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
+      rows(args, xT.data(), Mp, n0, n1);
+    });
+  }
+  tiles(args);
+}
+
 ScaleType scale_type(mx::Dtype t) {
   if (t == mx::float32) return ScaleType::f32;
   if (t == mx::float16) return ScaleType::f16;
@@ -169,33 +194,17 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       int(w.shape(0)),
       K,
       out.data<float>()};
-  encoder.dispatch([args, avx = use_avx512()]() mutable {
-    if (args.M == 0 || args.N == 0) return;
-    if (args.K == 0) {
-      std::fill(args.out, args.out + long(args.M) * args.N, 0.0f);
-      return;
-    }
-    if (!avx) {
-      return run_columns(args.M, args.N, args.K, 1, [&](int n0, int n1) {
-        qmm_generic(args, n0, n1);
+  encoder.dispatch([args, avx = use_avx512()]() {
+    run_matmul(args, avx, args.bits == 4, qmm_generic, qmm_rows_avx512, [](QmmArgs a) {
+      std::vector<float> xp;
+      if (a.bits == 4) {
+        xp.resize(size_t(a.M) * a.K);
+        qmm_prepare_x(a.x, xp.data(), a.M, a.K);
+        a.x = xp.data();
+      }
+      run_columns(a.M, a.N, a.K, avx512_tile_cols(a.M), [&](int n0, int n1) {
+        qmm_avx512(a, n0, n1);
       });
-    }
-    if (args.M >= kRowsKernelMin) {
-      const int Mp = (args.M + 15) / 16 * 16;
-      std::vector<float> xT(size_t(Mp) * args.K);
-      qmm_transpose_x(args.x, xT.data(), args.M, Mp, args.K, args.bits == 4);
-      return run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
-        qmm_rows_avx512(args, xT.data(), Mp, n0, n1);
-      });
-    }
-    std::vector<float> xp;
-    if (args.bits == 4) {
-      xp.resize(size_t(args.M) * args.K);
-      qmm_prepare_x(args.x, xp.data(), args.M, args.K);
-      args.x = xp.data();
-    }
-    run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
-      qmm_avx512(args, n0, n1);
     });
   });
 }
@@ -226,26 +235,10 @@ void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       K,
       out.data<float>()};
   encoder.dispatch([args, avx = use_avx512()]() {
-    if (args.M == 0 || args.N == 0) return;
-    if (args.K == 0) {
-      std::fill(args.out, args.out + long(args.M) * args.N, 0.0f);
-      return;
-    }
-    if (!avx) {
-      return run_columns(args.M, args.N, args.K, 1, [&](int n0, int n1) {
-        bf16mm_generic(args, n0, n1);
+    run_matmul(args, avx, false, bf16mm_generic, bf16mm_rows_avx512, [](const Bf16Args& a) {
+      run_columns(a.M, a.N, a.K, avx512_tile_cols(a.M), [&](int n0, int n1) {
+        bf16mm_avx512(a, n0, n1);
       });
-    }
-    if (args.M >= kRowsKernelMin) {
-      const int Mp = (args.M + 15) / 16 * 16;
-      std::vector<float> xT(size_t(Mp) * args.K);
-      qmm_transpose_x(args.x, xT.data(), args.M, Mp, args.K, false);
-      return run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
-        bf16mm_rows_avx512(args, xT.data(), Mp, n0, n1);
-      });
-    }
-    run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
-      bf16mm_avx512(args, n0, n1);
     });
   });
 }
