@@ -142,12 +142,16 @@ def test_a_saved_prompt_longer_than_the_context_is_refused(
 
 def test_a_slot_in_use_is_busy(server: ServerProcess) -> None:
     # Long enough that it is still running when the action arrives: a sampled answer that falls
-    # into a loop is drafted by n-gram speculation many tokens a step (64 took 0.2 s once).
+    # into a loop is drafted by n-gram speculation many tokens a step.
     body = {"prompt": PROMPT, "n_predict": 400, "ignore_eos": True, "stream": True, "id_slot": 1}
     with httpx.stream("POST", f"{server.base_url}/completion", json=body, timeout=120) as s:
-        next(s.iter_lines())  # generating now, in slot 1
+        lines = s.iter_lines()
+        # A few tokens in, not just the first: right after the first token the slot was seen
+        # free for a moment (twice in CI, its cache then held the prompt and one token; the
+        # cause is not found yet, see the notes of 2026-12-04).
+        seen = [next(lines) for _ in range(8)]
         r = action(server, 1, "save", filename="busy.bin")
-        assert r.status_code == 503
+        assert r.status_code == 503, (seen[-1], r.text)
         assert r.json()["error"]["message"] == "Requested slot is processing"
 
 

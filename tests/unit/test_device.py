@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from mlxcel.models import blas, device
-from mlxcel.models.loader import load_model
+from mlxcel.models.loader import load_model, native_enabled
 from mlxcel.models.resolve import resolve_model
 
 needs_gpu = pytest.mark.skipif(
@@ -137,7 +137,13 @@ def test_weights_stay_as_stored_on_a_gpu(
         return {v.dtype for _, v in tree_flatten(loaded.model.parameters())}
 
     on_cpu = load_model(folder)
-    assert (on_cpu.dtype, dtypes(on_cpu)) == ("float32", {mx.float32})
+    # On the CPU the projections stay bfloat16 on the native kernels (where they are built) and
+    # everything else is float32; without the kernels everything is float32.
+    expected = {mx.float32, mx.bfloat16} if native_enabled() else {mx.float32}
+    assert (on_cpu.dtype, dtypes(on_cpu)) == ("float32", expected)
+    monkeypatch.setenv("MLXCEL_NATIVE", "0")
+    assert dtypes(load_model(folder)) == {mx.float32}
+    monkeypatch.delenv("MLXCEL_NATIVE")
     monkeypatch.setattr(device, "on_cpu", lambda: False)
     on_gpu = load_model(folder)
     assert (on_gpu.dtype, dtypes(on_gpu)) == ("bfloat16", {mx.bfloat16})

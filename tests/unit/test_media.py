@@ -78,6 +78,7 @@ def site() -> Iterator[Site]:
     s = Site()
     yield s
     s.server.shutdown()
+    s.server.server_close()  # the listening socket, else the GC warns in a later test
 
 
 async def test_a_data_uri_image_decodes_to_rgb() -> None:
