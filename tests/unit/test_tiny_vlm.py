@@ -89,15 +89,28 @@ def flat_image(width: int, height: int, value: int = 200) -> Image.Image:
     return Image.fromarray(np.full((height, width, 3), value, dtype=np.uint8))
 
 
+_LOADED: dict[str, TinyVlm] = {}
+
+
+def _tiny(family: str, tmp_path_factory: pytest.TempPathFactory) -> TinyVlm:
+    # Built and loaded once per family for both fixtures below.
+    if family not in _LOADED:
+        path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / family, family)
+        _LOADED[family] = TinyVlm(family, path)
+    return _LOADED[family]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyVlm:
-    family = request.param
-    return TinyVlm(family, build_tiny_vlm(tmp_path_factory.mktemp("vlm") / family, family))
+    return _tiny(request.param, tmp_path_factory)
 
 
-def _needs_generate(vlm: TinyVlm) -> None:
-    if vlm.family in GENERATE_BROKEN:
-        pytest.skip("mlx-vlm's generate cannot prepare this family's inputs (see GENERATE_BROKEN)")
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f not in GENERATE_BROKEN])
+def generating_vlm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> TinyVlm:
+    """The families mlx-vlm's generate can drive (the others: GENERATE_BROKEN, pinned below)."""
+    return _tiny(request.param, tmp_path_factory)
 
 
 def test_folder_loads_as_the_family(vlm: TinyVlm) -> None:
@@ -108,8 +121,8 @@ def test_folder_loads_as_the_family(vlm: TinyVlm) -> None:
     assert vlm.prompt().count(marker) == 1
 
 
-def test_generates_text_for_an_image(vlm: TinyVlm) -> None:
-    _needs_generate(vlm)
+def test_generates_text_for_an_image(generating_vlm: TinyVlm) -> None:
+    vlm = generating_vlm
     image, prompt = noise_image(64, 64), vlm.prompt()
     first = mlx_vlm.generate(
         vlm.model, vlm.processor, prompt, image=[image], max_tokens=4, temperature=0.0
@@ -124,7 +137,7 @@ def test_generates_text_for_an_image(vlm: TinyVlm) -> None:
 
 def test_generate_cannot_prepare_llava_inputs(tmp_path: Path) -> None:
     # Pins the upstream bug GENERATE_BROKEN works around: when this fails, mlx-vlm (or
-    # transformers) fixed it, and the skips can go.
+    # transformers) fixed it, and the family can join generating_vlm.
     vlm = TinyVlm("llava", build_tiny_vlm(tmp_path / "llava", "llava"))
     with pytest.raises(ValueError, match="unexpected keyword argument 'padding'"):
         mlx_vlm.generate(vlm.model, vlm.processor, vlm.prompt(), image=[noise_image(64, 64)])
@@ -143,8 +156,8 @@ def test_the_image_changes_the_logits(vlm: TinyVlm) -> None:
     assert mx.abs(noise - flat).max().item() > 1e-3
 
 
-def test_the_image_changes_generate_s_logprobs(vlm: TinyVlm) -> None:
-    _needs_generate(vlm)
+def test_the_image_changes_generate_s_logprobs(generating_vlm: TinyVlm) -> None:
+    vlm = generating_vlm
     prompt = vlm.prompt()
     noise = vlm.stream(noise_image(64, 64), prompt, 1)[0].logprobs
     flat = vlm.stream(flat_image(64, 64), prompt, 1)[0].logprobs
