@@ -64,10 +64,13 @@ __all__ = [
     "current_logprobs",
     "generation_batch",
     "install",
+    "kv_rows_fit",
+    "live_left_padding",
     "lru_exact",
     "lru_remove",
     "next_logprobs",
     "next_tokens",
+    "place_rows",
     "prompt_batch",
     "prompt_batch_of",
     "reading",
@@ -87,6 +90,7 @@ __all__ = [
     "tokens_left",
     "waiting",
     "waiting_prompt",
+    "write_kv_rows",
 ]
 
 log = logging.getLogger(__name__)
@@ -309,6 +313,74 @@ def row_counters(batch: Any) -> tuple[list[int], list[Any]]:
 def tokens_left(batch: Any, i: int) -> int:
     """How many tokens row ``i`` may still make."""
     return int(batch.max_tokens[i] - batch._num_tokens[i])
+
+
+# -- A generation batch's rows, replaced in place (row reuse) ---------------------------------
+# mlx-lm keeps a row's state in parallel lists (and one array of pending tokens); ``extend``
+# appends to all of them and ``filter`` rebuilds them. Row reuse (``actors/model_runner/
+# row_reuse.py``) instead puts a joining row where a finished one was.
+
+_ROW_LISTS = ("uids", "tokens", "samplers", "logits_processors", "max_tokens", "stop_sequences")
+_PRIVATE_ROW_LISTS = ("_next_logprobs", "_token_context", "_num_tokens", "_matchers")
+
+
+def place_rows(batch: Any, rows: list[int], source: Any) -> None:
+    """Every row of ``source`` (a generation batch) takes the place of ``batch``'s row
+    ``rows[i]``, for everything but the KV cache (``write_kv_rows``). The step's current
+    tokens and distributions are not touched: the next step replaces them whole."""
+    for name in _ROW_LISTS + _PRIVATE_ROW_LISTS:
+        mine, theirs = getattr(batch, name), getattr(source, name)
+        for row, value in zip(rows, theirs, strict=True):
+            mine[row] = value
+    pending = batch._next_tokens
+    pending[mx.array(rows)] = source._next_tokens.astype(pending.dtype)
+    batch._next_tokens = pending
+
+
+def kv_rows_fit(caches: list[Any], others: list[Any]) -> bool:
+    """Whether ``others``' rows can be written into rows of ``caches`` in place: plain batch
+    caches on both sides, every joining token at or left of the batch's write position."""
+    if not rewindable(caches) or not rewindable(others) or len(caches) != len(others):
+        return False
+    return all(
+        c.keys is not None
+        and o.keys is not None
+        and o._right_padding is None
+        and o._idx <= c._idx
+        and o.keys.dtype == c.keys.dtype
+        for c, o in zip(caches, others, strict=True)
+    )
+
+
+def write_kv_rows(cache: Any, rows: list[int], other: Any) -> None:
+    """Write every row of ``other`` into ``cache``'s row ``rows[i]``, right-aligned at the
+    batch's write position as ``extend`` aligns them. Positions left of a row's keys keep what
+    the row's previous owner left there; its left padding masks them, as it masks the zeros
+    ``extend`` writes. The buffer is written in place (mlx donates it: nothing else holds it,
+    since prompt-cache entries are evaluated copies), so no other row is copied."""
+    end, length = cache._idx, other._idx
+    start = end - length
+    for i, row in enumerate(rows):
+        cache.keys[row : row + 1, :, start:end, :] = other.keys[i : i + 1, :, :length, :]
+        cache.values[row : row + 1, :, start:end, :] = other.values[i : i + 1, :, :length, :]
+    pads = cast(list[int], cache.left_padding.tolist())
+    offsets = cast(list[int], cache.offset.tolist())
+    their_pads = cast(list[int], other.left_padding.tolist())
+    their_offsets = cast(list[int], other.offset.tolist())
+    for i, row in enumerate(rows):
+        pads[row] = their_pads[i] + start
+        offsets[row] = their_offsets[i]
+    cache.left_padding = mx.array(pads)
+    cache.offset = mx.array(offsets)
+
+
+def live_left_padding(caches: list[Any], rows: list[int]) -> int:
+    """The least left padding among these rows of a plain batch cache (how many of its
+    leading positions no listed row reads); 0 for any other cache."""
+    if not rows or not rewindable(caches):
+        return 0
+    pads = cast(list[int], caches[0].left_padding.tolist())
+    return min(pads[i] for i in rows)
 
 
 # -- LRUPromptCache and the tokenizer wrapper -------------------------------------------------

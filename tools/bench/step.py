@@ -4,6 +4,7 @@ Trio): issue 22's first measurements.
     .venv/bin/python tools/bench/step.py steps [--rows 1 16 32 64] [--model DIR] [--dtype D]
     .venv/bin/python tools/bench/step.py admit [--rows 16] [--prompt 2000] [--chunk 512]
         [--after 20] [--share 0.2]
+    .venv/bin/python tools/bench/step.py churn [--rows 64] [--steps 30]
 
 ``steps``: for each row count, rows decoding greedily (the embedded SmolLM2, float32): ms per
 step, tokens/s, and the FLOP rate that step reaches (2 x parameters x rows per step), with the
@@ -15,6 +16,11 @@ read (until its first token) and after it joins the batch, the running rows' tok
 spells against before, and the long prompt's time to its first token (issue 22, item 3:
 running streams should lose at most 20% while it is admitted; ``--share`` is
 ``--prefill-share``).
+
+``churn``: the closed-loop load of many streams: rows decoding, and every step one row ends
+and a new ~57-token prompt joins. ms per step with row reuse (a joining row takes a finished
+one's place in the batch) and without it (``MLXCEL_ROW_REUSE=0``: every join and leave copies
+the batch's KV cache, as mlx-lm does), against the same rows with no churn, in one run.
 """
 
 from __future__ import annotations
@@ -135,6 +141,42 @@ def admit(
     print("step ms after:", [round(t * 1000) for t, _, _ in joined])
 
 
+def churn(loaded: LoadedModel, rows: int, n: int) -> None:
+    from mlxcel.actors.model_runner import row_reuse
+
+    tok = loaded.tokenizer
+    question = "Write a detailed answer about the history of the city, its people and its food"
+    settings = Settings(parallel=rows + 1, cache_ram_mib=0)
+    warm = 56
+
+    def run(reuse: bool, joins: bool) -> float:
+        row_reuse.enabled = reuse
+        backend = decoding(loaded, rows, settings)
+        for _ in range(warm):  # the rows' answers under way, longer than a new prompt
+            backend.apply(StepPlan())
+        took = []
+        for k in range(n):
+            plan = StepPlan()
+            if joins:
+                ids = tuple(tok.encode(f"{question} number {k}. " * 3))
+                new = InsertSequence(f"j{k}", ids, 100_000, GREEDY, ignore_eos=True)
+                plan = StepPlan(removes=(f"r{k}",), inserts=(new,))
+            tic = time.perf_counter()
+            backend.apply(plan)
+            took.append(time.perf_counter() - tic)
+        took.sort()
+        return took[len(took) // 2] * 1000
+
+    steady = run(True, False)
+    copying = run(False, True)
+    reusing = run(True, True)
+    row_reuse.enabled = True
+    print(f"{rows} rows, every step one leaves and a ~57-token prompt joins; median ms/step:")
+    print("| no churn | churn, copies (mlx-lm) | churn, row reuse | copies / reuse |")
+    print("|---:|---:|---:|---:|")
+    print(f"| {steady:.1f} | {copying:.1f} | {reusing:.1f} | {copying / reusing:.2f}x |")
+
+
 def _weights(model: object) -> int:
     """Multiply-adds per row and token: every weight, packed quantised ones counted unpacked
     (their uint32 words hold 32 / bits weights each; scales and biases are not weights)."""
@@ -161,7 +203,10 @@ def main() -> None:
     a.add_argument("--chunk", type=int, default=512)
     a.add_argument("--after", type=int, default=20, help="steps measured after it joins")
     a.add_argument("--share", type=float, default=Settings().prefill_share)
-    for p in (s, a):
+    c = sub.add_parser("churn")
+    c.add_argument("--rows", type=int, default=64)
+    c.add_argument("--steps", type=int, default=30)
+    for p in (s, a, c):
         p.add_argument("--model", help="model folder or GGUF (default: the embedded SmolLM2)")
         p.add_argument(
             "--dtype",
@@ -172,6 +217,8 @@ def main() -> None:
     loaded = load_model(resolve_model(args.model), dtype=args.dtype)
     if args.what == "steps":
         steps(loaded, args.rows)
+    elif args.what == "churn":
+        churn(loaded, args.rows, args.steps)
     else:
         admit(loaded, args.rows, args.prompt, args.chunk, args.after, args.share)
 

@@ -26,13 +26,15 @@ a batch's per-row state) goes through ``mlxcel.models.mlx_lm_compat``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlxcel.actors.model_runner import row_reuse
 from mlxcel.actors.model_runner.prefill_budget import PrefillBudget
 from mlxcel.models import mlx_lm_compat as compat
 
@@ -47,6 +49,14 @@ REPORTED = 2
 class PrimedGenerationBatch(GenerationBatch):
     def __init__(self, *args: Any, primed: bool = False, **kwargs: Any) -> None:
         self._priming = primed
+        # Rows that finished and stay as holes until a joining row takes their place
+        # (``row_reuse``); ``len()`` counts the others.
+        self._holes: set[int] = set()
+        self._counting_holes = False
+        self._next_hole_uid = -1
+        # Rows that joined into a hole, and compactions (for tests and benchmarks).
+        self.reused_rows = 0
+        self.compactions = 0
         super().__init__(*args, **kwargs)
         self._starts = [PRIMED if primed else NORMAL] * len(self.uids)
         if primed:
@@ -131,13 +141,89 @@ class PrimedGenerationBatch(GenerationBatch):
             tokens.append(t)
         return said, previous
 
+    # -- rows joining and leaving (row_reuse explains the holes) --------------------------
+
+    def __len__(self) -> int:
+        """Live rows: what the generator's capacity checks count (holes are free places)."""
+        return len(self.uids) - (0 if self._counting_holes else len(self._holes))
+
+    @contextmanager
+    def counting_holes(self) -> Iterator[None]:
+        """``len()`` counts every row, holes too (mlx-lm's ``remove`` indexes rows by it)."""
+        self._counting_holes = True
+        try:
+            yield
+        finally:
+            self._counting_holes = False
+
+    def is_hole(self, i: int) -> bool:
+        return i in self._holes
+
     def extend(self, batch: Any) -> None:
+        n = len(batch.uids)
+        starts = getattr(batch, "_starts", [NORMAL] * n)
+        if n and self.uids and len(self._holes) >= n:
+            if compat.kv_rows_fit(self.prompt_cache, batch.prompt_cache):
+                rows = sorted(self._holes)[:n]
+                compat.place_rows(self, rows, batch)
+                for cache, theirs in zip(self.prompt_cache, batch.prompt_cache, strict=True):
+                    compat.write_kv_rows(cache, rows, theirs)
+                for row, start in zip(rows, starts, strict=True):
+                    self._starts[row] = start
+                self._holes.difference_update(rows)
+                self.reused_rows += n
+                self._settle_hole_samplers()
+                return
         super().extend(batch)
-        self._starts.extend(getattr(batch, "_starts", [NORMAL] * len(batch.uids)))
+        self._starts.extend(starts)
+        self._settle_hole_samplers()
 
     def filter(self, keep: list[int]) -> None:
-        super().filter(keep)
-        self._starts = [self._starts[i] for i in keep]
+        kept = set(keep)
+        live = [i for i in keep if i not in self._holes]
+        ended = [i for i in range(len(self.uids)) if i not in kept and i not in self._holes]
+        if not ended:
+            return
+        if row_reuse.may_leave_holes(
+            reusable=compat.rewindable(self.prompt_cache),
+            physical=len(self.uids),
+            holes=len(self._holes),
+            live=len(live),
+            ended=len(ended),
+            live_padding=compat.live_left_padding(self.prompt_cache, live),
+        ):
+            for i in ended:
+                self._vacate(i)
+            self._settle_hole_samplers()
+            return
+        if self._holes:
+            self.compactions += 1
+        super().filter(live)
+        self._starts = [self._starts[i] for i in live]
+        self._holes = set()
+
+    def _vacate(self, i: int) -> None:
+        """Row ``i`` becomes a hole: computed with the others, reporting nothing, asking
+        nothing of processors or stop sequences, holding no request's state."""
+        self.uids[i] = self._next_hole_uid  # never a real uid (those count up from 0)
+        self._next_hole_uid -= 1
+        processors = cast(list[Any], self.logits_processors)
+        processors[i] = ()
+        self.tokens[i] = []
+        self._starts[i] = NORMAL
+        self._holes.add(i)
+
+    def _settle_hole_samplers(self) -> None:
+        """Holes sample with the live rows' sampler when they all share one (the step then
+        samples every row in one call), else with the fallback. Never with one live row's
+        own sampler: a seeded one would be drawn from twice a step."""
+        if not self._holes or not self.samplers:
+            return
+        samplers = cast(list[Any], self.samplers)
+        live = [s for i, s in enumerate(samplers) if i not in self._holes]
+        shared = live[0] if live and all(s is live[0] for s in live) else self.fallback_sampler
+        for i in self._holes:
+            samplers[i] = shared
 
     def _emit(self) -> list[list[tuple[int, Any]]]:
         """Take one step; per row, the tokens it reports with the distribution each was drawn
@@ -162,6 +248,9 @@ class PrimedGenerationBatch(GenerationBatch):
         keep = []
         responses = []
         for i, uid in enumerate(self.uids):
+            if i in self._holes:
+                keep.append(i)
+                continue
             if starts[i] == REPORTED:
                 starts[i] = NORMAL
                 keep.append(i)
@@ -222,6 +311,14 @@ class EagerStartBatchGenerator(BatchGenerator):
         self._budget = budget if budget is not None else PrefillBudget(share=1.0)
         self._urgent = urgent
         self._full_chunk = self.prefill_step_size
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        # mlx-lm's remove lists the generation batch's rows as range(len(batch)).
+        generating = compat.generation_batch(self)
+        if not isinstance(generating, PrimedGenerationBatch):
+            return super().remove(uids, return_prompt_caches)
+        with generating.counting_holes():
+            return super().remove(uids, return_prompt_caches)
 
     def _next(self) -> tuple[list[Any], list[Any]]:
         started = self._start_unread_rows()

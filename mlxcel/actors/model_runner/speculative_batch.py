@@ -198,6 +198,7 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
         sampler = self._samplers[i]
         return (
             self._starts[i] == NORMAL
+            and not self.is_hole(i)
             and not self._processors[i]
             and not isinstance(sampler, SeededSampler)
         )
