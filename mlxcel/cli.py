@@ -263,6 +263,39 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="folder for POST /slots/{id}?action=save|restore files; unset: those actions "
         "answer 501 (env: LLAMA_ARG_SLOT_SAVE_PATH)",
     )
+    mib = 1024 * 1024
+    for image_flag, image_env, image_default, text in (
+        ("--max-images", "MAX_IMAGES", d.max_images, "image parts one request may carry"),
+        (
+            "--max-image-payload-size",
+            "MAX_IMAGE_PAYLOAD_SIZE",
+            d.max_image_payload,
+            f"bytes one image may take encoded (base64-decoded, downloaded or on disk; "
+            f"default {d.max_image_payload // mib} MiB)",
+        ),
+        ("--max-image-width", "MAX_IMAGE_WIDTH", d.max_image_width, "widest image, in pixels"),
+        ("--max-image-height", "MAX_IMAGE_HEIGHT", d.max_image_height, "tallest image, in pixels"),
+        (
+            "--max-image-decode-alloc-bytes",
+            "MAX_IMAGE_DECODE_ALLOC_BYTES",
+            d.max_image_decode_alloc,
+            f"bytes one image may take decoded, checked from its header before decoding "
+            f"(decompression bombs; default {d.max_image_decode_alloc // mib} MiB)",
+        ),
+    ):
+        opt(
+            image_flag,
+            env=f"LLAMA_ARG_{image_env}",
+            type=int,
+            default=image_default,
+            help=f"vision models: {text}",
+        )
+    opt(
+        "--media-path",
+        env="LLAMA_ARG_MEDIA_PATH",
+        default=None,
+        help="folder that file:// and path image URLs may be read from (unset: none may)",
+    )
     p.add_argument(
         "--context-shift",
         dest="context_shift",
@@ -744,6 +777,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
         log.warning("%s", note)
     checks = {
         "--parallel": args.parallel >= 1,
+        "--max-images": args.max_images >= 1,
+        "--max-image-payload-size": args.max_image_payload_size >= 1,
+        "--max-image-width": args.max_image_width >= 1,
+        "--max-image-height": args.max_image_height >= 1,
+        "--max-image-decode-alloc-bytes": args.max_image_decode_alloc_bytes >= 1,
         "--max-queue-depth": args.max_queue_depth >= 1,
         "--prefill-chunk-size": args.prefill_chunk_size >= 1,
         "--prefill-share": 0.0 < args.prefill_share <= 1.0,
@@ -816,6 +854,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         metrics_endpoint=args.metrics,
         slots_endpoint=args.slots,
         slot_save_path=slot_save_path(args.slot_save_path),
+        max_images=args.max_images,
+        max_image_payload=args.max_image_payload_size,
+        max_image_width=args.max_image_width,
+        max_image_height=args.max_image_height,
+        max_image_decode_alloc=args.max_image_decode_alloc_bytes,
+        media_path=Path(args.media_path).resolve() if args.media_path else None,
         context_shift=args.context_shift,
         batch_invariant=args.batch_invariant,
         spec_ngram=args.spec_ngram,

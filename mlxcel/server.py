@@ -184,6 +184,7 @@ async def serve(
             inbox=submit_rx,
             outbox=tokenized_tx,
             tool_format=tool_format,
+            media=info.media,
         )
         await root.start(tokenizer.run)
         gate = Admission if side.generation else GenerationDisabled

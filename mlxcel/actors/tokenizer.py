@@ -44,8 +44,11 @@ class TokenizerActor:
         outbox: trio.MemorySendChannel[Tokenized],
         tool_format: ToolFormat | None = None,
         context_shift: bool = False,
+        media: Any = None,
     ) -> None:
         self._tok = tokenizer
+        # A vision model's processor (models.vlm.MediaProcessor); None: text only.
+        self._media = media
         self._context_shift = context_shift
         self._tool_format = tool_format
         self._special: dict[str, int] | None = None
@@ -64,8 +67,16 @@ class TokenizerActor:
                 sub.slot.reservation.release()
                 continue
             try:
-                tokens = await trio.to_thread.run_sync(self.encode, sub.request)
+                images = None
+                if sub.request.images:
+                    images = await trio.to_thread.run_sync(self.prepare_images, sub.request)
+                    tokens = list(images.tokens)
+                else:
+                    tokens = await trio.to_thread.run_sync(self.encode, sub.request)
                 truncated = self._context_shift and len(tokens) >= self._ctx
+                if truncated and images is not None:
+                    # Cutting an image's tokens would leave pixels without their places.
+                    raise ContextOverflow(len(tokens), self._ctx, param="messages")
                 if truncated:
                     tokens = truncate_prompt(tokens, self._ctx, sub.request.n_keep or 0)
                 max_tokens = self.budget(sub.request, len(tokens))
@@ -87,7 +98,14 @@ class TokenizerActor:
             sub.slot.accept(len(tokens))
             await self._outbox.send(
                 Tokenized(
-                    sub.request, sub.slot, tuple(tokens), max_tokens, opened, grammar, truncated
+                    sub.request,
+                    sub.slot,
+                    tuple(tokens),
+                    max_tokens,
+                    opened,
+                    grammar,
+                    truncated,
+                    images,
                 )
             )
 
@@ -174,6 +192,18 @@ class TokenizerActor:
                 return str(self._tok.decode(list(tokens), skip_special_tokens=False))
             case _:
                 assert_never(prompt)
+
+    def prepare_images(self, request: GenerationRequest) -> Any:
+        """The rendered prompt and its images through the vision model's processor: token ids
+        (each image marker expanded into its image's tokens) and pixels."""
+        if self._media is None:  # http/ refuses images before this; a guard, not a path
+            raise InvalidRequest("image input is not supported", param="messages")
+        text = self.render(request)
+        try:
+            return self._media.prepare(text, list(request.images))
+        except (ValueError, TypeError) as error:
+            # Processors say "mismatch between image markers and images" and the like.
+            raise InvalidRequest(f"The images could not be prepared: {error}") from error
 
     def encode(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, TokensPrompt):

@@ -16,6 +16,7 @@ from mlxcel.http import (
     conversations,
     embeddings,
     health,
+    media,
     native,
     openai,
     openapi,
@@ -68,7 +69,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     # them silently. Idle sockets are Hypercorn's business (keep-alive timeout).
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = None
-    app.config["MAX_CONTENT_LENGTH"] = ctx.settings.max_request_bytes
+    # (A context built for the OpenAPI document alone has no model yet.)
+    info = getattr(ctx, "info", None)
+    vision = info is not None and info.media is not None
+    app.config["MAX_CONTENT_LENGTH"] = media.body_limit(ctx.settings, vision=vision)
     prefix = ctx.settings.api_prefix.rstrip("/") or None
     security.install(app, ctx.settings)
     app.before_request(_check_headers)

@@ -35,12 +35,22 @@ import attrs
 import trio
 
 from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.messages import GenerationRequest, ImageRef
+from mlxcel.runtime.settings import Settings
 
 if TYPE_CHECKING:
     import httpx
     from PIL import Image
 
-__all__ = ["ImageLimits", "decode_image", "load_images", "read_image_bytes"]
+__all__ = [
+    "ImageLimits",
+    "body_limit",
+    "decode_image",
+    "limits_of",
+    "load_images",
+    "read_image_bytes",
+    "resolve",
+]
 
 MIB = 1024 * 1024
 # Bytes a decoded pixel may take (RGBA): what the decode-allocation budget is counted in.
@@ -62,6 +72,45 @@ class ImageLimits:
     # Seconds for one URL, from the request to its last byte.
     fetch_timeout: float = 10.0
     media_path: Path | None = None
+
+
+def limits_of(settings: Settings) -> ImageLimits:
+    return ImageLimits(
+        max_images=settings.max_images,
+        max_payload=settings.max_image_payload,
+        max_width=settings.max_image_width,
+        max_height=settings.max_image_height,
+        max_decode_alloc=settings.max_image_decode_alloc,
+        media_path=settings.media_path,
+    )
+
+
+# The body limit with images: what the image budget takes in base64, plus some bytes per part
+# and of text, within 2 GiB (the contract's rule).
+_PER_IMAGE = 512
+_OVERHEAD = MIB
+_MOST = 2 * 1024 * MIB
+
+
+def body_limit(settings: Settings, *, vision: bool) -> int:
+    """The largest JSON body accepted: ``--max-request-bytes``, grown to fit the image budget
+    when the model takes images."""
+    if not vision:
+        return settings.max_request_bytes
+    base64 = math.ceil(settings.max_image_payload / 3) * 4
+    budget = (base64 + _PER_IMAGE) * settings.max_images + _OVERHEAD
+    return max(settings.max_request_bytes, min(budget, _MOST))
+
+
+async def resolve(request: GenerationRequest, settings: Settings) -> GenerationRequest:
+    """The request with its image references read and decoded (a 400 naming the part when
+    one is too much or not an image)."""
+    refs = [r for r in request.images if isinstance(r, ImageRef)]
+    if not refs:
+        return request
+    parts = [(r.where, r.url) for r in refs]
+    images = await load_images(parts, limits_of(settings))
+    return attrs.evolve(request, images=tuple(images))
 
 
 async def load_images(

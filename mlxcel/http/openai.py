@@ -19,7 +19,7 @@ import attrs
 import trio
 from quart import Blueprint, Response, request
 
-from mlxcel.http import logprobs, slot_wire, sse
+from mlxcel.http import logprobs, media, slot_wire, sse
 from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.audio import audio_model_entries
 from mlxcel.http.chat_render import Collected, message, stream_choices
@@ -100,6 +100,7 @@ async def start_generation(
             f"n must be at most {ctx.settings.parallel} (this server's --parallel)", param="n"
         )
     gen = slot_wire.resolve(gen, parallel=ctx.settings.parallel, n_keep=ctx.settings.n_keep)
+    gen = await media.resolve(gen, ctx.settings)
     slot = ctx.pipeline.submit(gen)
     if progress:
         slot.track_progress()
@@ -194,6 +195,7 @@ async def chat_completions() -> Response:
         len(ctx.info.tokenizer),
         reasoning_budget=ctx.settings.reasoning_budget,
         tokenizer=ctx.info.tokenizer,
+        vision=ctx.info.media is not None,
     )
     model = ctx.check_model(body.model)
     if body.reasoning_control:
@@ -353,7 +355,8 @@ async def models() -> Response:
     ollama: dict[str, object] = {
         "name": ctx.model_id,
         "model": ctx.model_id,
-        "capabilities": ["completion"],
+        # Ollama's words: "completion", and "vision" for a model that reads images.
+        "capabilities": ["completion", "vision"] if info.media is not None else ["completion"],
         "details": {"format": weights_format(info.path)},
     }
     entry["capabilities"] = ollama["capabilities"]

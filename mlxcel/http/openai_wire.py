@@ -18,6 +18,7 @@ from mlxcel.runtime.messages import (
     ChatPrompt,
     ForcedToolCall,
     GenerationRequest,
+    ImageRef,
     LoopLimit,
     Prompt,
     SamplingParams,
@@ -209,26 +210,52 @@ def cache_key(body: ChatCompletionBody | CompletionBody) -> str | None:
     return body.prompt_cache_key or body.user or ""
 
 
-def _content(content: Any, where: str) -> str | None:
+def _content(
+    content: Any, where: str, images: list[ImageRef] | None = None
+) -> str | list[dict[str, str]] | None:
+    """The message's text; with ``images`` (a vision model: None refuses image parts before
+    anything is read), a message with images becomes the parts a VLM chat template renders,
+    text and ``{"type": "image"}`` in order, and each image's reference is added to them."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(
             f"{where} must be a string, a list of content parts, or null", param=where
         )
-    texts = []
+    parts: list[dict[str, str]] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if not isinstance(kind, str):
             raise InvalidRequest(f"{at}.type must be a string", param=f"{at}.type")
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and images is not None:
+            images.append(ImageRef(at, _image_url(part, at)))
+            parts.append({"type": "image"})
         elif kind in MEDIA_PARTS:
             raise InvalidRequest(f"{MEDIA_PARTS[kind]} input is not supported", param=at)
         else:
             raise InvalidRequest(f"{at} must be a content part with type 'text'", param=at)
-    return "\n".join(texts)
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_url(part: dict[str, Any], at: str) -> str:
+    """``image_url`` is ``{"url": ..., "detail": ...}`` (OpenAI) or a bare string (some
+    clients); ``detail`` is a hint every model here reads at its own resolution."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest(f"{at}.image_url.url must be a non-empty string", param=at)
+    if isinstance(value, dict):
+        unknown = set(value) - {"url", "detail"}
+        if unknown:
+            raise UnsupportedField(f"{at}.image_url.{sorted(unknown)[0]}")
+        if value.get("detail") not in (None, "auto", "low", "high"):
+            raise InvalidRequest(f"{at}.image_url.detail must be auto, low or high", param=at)
+    return url
 
 
 def _template_call(call: Any, at: str) -> Any:
@@ -251,7 +278,7 @@ def _template_call(call: Any, at: str) -> Any:
     return call
 
 
-def _messages(value: Any) -> tuple[dict[str, object], ...]:
+def _messages(value: Any, images: list[ImageRef] | None = None) -> tuple[dict[str, object], ...]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
     out = []
@@ -271,7 +298,7 @@ def _messages(value: Any) -> tuple[dict[str, object], ...]:
                 _template_call(c, f"{at}.tool_calls[{j}]") for j, c in enumerate(msg["tool_calls"])
             ]
         rendered["role"] = "system" if role == "developer" else role
-        rendered["content"] = _content(msg.get("content"), f"{at}.content") or ""
+        rendered["content"] = _content(msg.get("content"), f"{at}.content", images) or ""
         out.append(rendered)
     if len(out) >= 2 and out[-1]["role"] == out[-2]["role"] == "assistant":
         # One trailing assistant message is a prefill to continue; two are no conversation.
@@ -363,8 +390,12 @@ def chat_request(
     vocab_size: int | None = None,
     reasoning_budget: int = -1,
     tokenizer: Any = None,
+    vision: bool = False,
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
+    """``vision``: the model takes images (else an image part is refused, before any URL is
+    read: the contract's media guard)."""
     body = structure(flatten_extra_body(data), ChatCompletionBody)
+    images: list[ImageRef] | None = [] if vision else None
     _check_openai_extras(body)
     _check_stream_options(body)
     max_tokens = _length(body, ("max_completion_tokens", "max_tokens", "n_predict"))
@@ -378,7 +409,9 @@ def chat_request(
     request = GenerationRequest(
         request_id=new_id("chatcmpl"),
         prompt=ChatPrompt(
-            messages=_messages(body.messages), tools=tools, template_kwargs=_template_kwargs(body)
+            messages=_messages(body.messages, images),
+            tools=tools,
+            template_kwargs=_template_kwargs(body),
         ),
         parse_tools=parse_tools,
         single_tool_call=body.parallel_tool_calls is False,
@@ -395,6 +428,7 @@ def chat_request(
             {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS}, reasoning_budget
         ),
         loop_limit=loop_limit(body),
+        images=tuple(images or ()),
         **slot_options(body),
     )
     return body, request

@@ -187,8 +187,9 @@ async def props() -> Response:
             "chat_template_caps": template_caps(tok, ctx.info.chat_template),
             "bos_token": getattr(tok, "bos_token", None) or "",
             "eos_token": getattr(tok, "eos_token", None) or "",
-            # What the chat model reads (text only); the audio routes are in capabilities.
-            "modalities": {"vision": False, "video": False, "audio": False},
+            # What the chat model reads (images: a vision model); the audio routes are in
+            # capabilities.
+            "modalities": {"vision": ctx.info.media is not None, "video": False, "audio": False},
             "build_info": f"mlxcel-{__version__}",
             # mlxcel extension: where the chat model computes ("cpu", "gpu (cuda: NVIDIA H200)").
             "device": ctx.info.device,

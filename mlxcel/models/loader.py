@@ -24,7 +24,7 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
-from mlxcel.models import device, fast_lm
+from mlxcel.models import device, fast_lm, vlm
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
@@ -81,6 +81,9 @@ class LoadedModel:
     config: dict[str, Any] = attrs.field(repr=False)
     # Quantised layers running on mlxcel's native CPU kernels (0: none).
     native_layers: int = 0
+    # A vision-language checkpoint's vision parts (``models.vlm``); ``model`` is then its
+    # language model, wrapped as mlx-lm's generator calls a model.
+    vision: Any = None
 
 
 def load_model(
@@ -104,6 +107,8 @@ def load_model(
     from mlxcel.models import mlx_lm_compat
 
     mlx_lm_compat.install()
+    if vlm.is_vlm(resolved.path):
+        return _load_vlm(resolved, dtype)
     cpu = device.on_cpu()
     chosen = dtype is not None
     if dtype is None and cpu:
@@ -156,6 +161,48 @@ def load_model(
         quantized=_is_quantized(model),
         config=config,
         native_layers=on_native,
+    )
+
+
+def _load_vlm(resolved: ResolvedModel, dtype: str | None) -> LoadedModel:
+    """A vision-language checkpoint through mlx-vlm: float32 on the CPU (its bfloat16 and
+    quantised kernels are the slow ones here), as stored on a GPU."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from mlx_lm.utils import get_total_parameters
+
+    try:
+        vision, tokenizer, config = vlm.load_vlm(resolved.path)
+    except (FileNotFoundError, ValueError) as exc:
+        raise UnsupportedModel(
+            f"cannot load vision-language model {resolved.model_id!r} from {resolved.path}: {exc}"
+        ) from exc
+    model = vision.model
+    if dtype is None and device.on_cpu():
+        dtype = "float32"
+    if dtype is None:
+        dtype = _stored_dtype(model)
+    else:
+        _cast(model, DTYPES[dtype])
+    mx.eval(model.parameters())
+    wrapper = TokenizerWrapper(tokenizer)
+    eos = {int(i) for i in wrapper.eos_token_ids}
+    configured = _config_value(config, "eos_token_id")
+    eos |= {int(i) for i in (configured if isinstance(configured, list) else [configured]) if i}
+    return LoadedModel(
+        model=vlm.LanguageModel(model.language_model, vision.mrope),  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        tokenizer_wrapper=wrapper,
+        model_id=resolved.model_id,
+        path=resolved.path,
+        eos_token_ids=frozenset(eos),
+        chat_template=_chat_template(tokenizer),
+        context_length=_context_length(config, tokenizer),
+        vocab_size=int(_config_value(config, "vocab_size") or len(tokenizer)),
+        n_params=int(get_total_parameters(model)),
+        dtype=dtype,
+        quantized=_is_quantized(model),
+        config=config,
+        vision=vision,
     )
 
 

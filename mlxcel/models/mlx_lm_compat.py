@@ -14,7 +14,8 @@ mlxcel names a private attribute of mlx-lm:
 - the model runner reads where a row stands (``row_stages``: donation on cancel) and how many
   tokens it may still make (``tokens_left``: context shift), and the prompt cache reaches into
   ``LRUPromptCache``'s trie (``lru_exact``, ``lru_remove``: slot save and erase);
-- ``install`` replaces ``BatchKVCache.extend`` with a version that copies the batch once;
+- ``install`` replaces ``BatchKVCache.extend`` with a version that copies the batch once, and
+  ``BatchKVCache.merge`` with one that keeps a vision row's position shift (``models/vlm.py``);
 - ``swap_model_functions`` puts ``fast_lm``'s attention and SwiGLU into the modules of
   ``mlx_lm.models`` that a loaded model's classes come from, and ``batch_left_padding`` tells
   that attention a plain batch cache's rows' padding (``--batch-invariant``);
@@ -178,6 +179,7 @@ def install() -> None:
         if missing:
             raise IncompatibleMlxLm(f"mlx-lm {installed_version()} lacks {', '.join(missing)}")
         BatchKVCache.extend = _extend  # type: ignore[method-assign]  # the patch, on purpose
+        BatchKVCache.merge = classmethod(_merge)  # type: ignore[method-assign, assignment]
         _installed = True
 
 
@@ -486,6 +488,29 @@ def _extend(self: Any, other: Any) -> None:
 
 
 _extend.__wrapped__ = _ORIGINAL_EXTEND  # type: ignore[attr-defined]  # as functools.wraps
+
+
+# -- BatchKVCache.merge, keeping a row's position shift ---------------------------------------
+# A vision-language row read with M-RoPE sits at "length + shift" (models/vlm.py): its layer
+# caches say so in an attribute, and the batch cache they merge into carries the shift in the
+# row's offset (the position its next token takes; a batch cache uses offset for no other
+# purpose). Rows without the attribute merge exactly as in mlx-lm.
+
+_ORIGINAL_MERGE: Callable[[list[Any]], Any] = getattr(
+    BatchKVCache.merge, "__wrapped__", BatchKVCache.merge
+)
+POSITION_SHIFT = "position_shift"
+
+
+def _merge(cls: Any, caches: list[Any]) -> Any:
+    merged = _ORIGINAL_MERGE(caches)
+    shifts = [int(getattr(c, POSITION_SHIFT, 0)) for c in caches]
+    if any(shifts):
+        merged.offset = merged.offset + mx.array(shifts)
+    return merged
+
+
+_merge.__wrapped__ = _ORIGINAL_MERGE  # type: ignore[attr-defined]  # as functools.wraps
 
 
 def batch_left_padding(cache: Any) -> list[int] | None:

@@ -64,6 +64,15 @@ class ChatPrompt:
     template_kwargs: tuple[tuple[str, object], ...] = ()
 
 
+@attrs.frozen
+class ImageRef:
+    """An image part as a request names it: where it is in the body, and its URL (a data
+    URI, http(s), ``file://`` or a path). http/ reads it before the request is submitted."""
+
+    where: str
+    url: str
+
+
 @attrs.frozen(kw_only=True)
 class TextPrompt:
     """Raw text, encoded as is (with the tokenizer's special prefix tokens)."""
@@ -175,6 +184,9 @@ class GenerationRequest:
     # None: the server's --keep), and tokens dropped after them (0: half of the rest).
     n_keep: int | None = None
     n_discard: int = 0
+    # The prompt's images in the order their parts appear (vision models): ``ImageRef``s as
+    # the wire names them, decoded images (PIL) once http/ has read them within its limits.
+    images: tuple[Any, ...] = ()
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -206,6 +218,8 @@ class Tokenized:
     grammar: str | None = None
     # Context shift cut the prompt to fit the context (llama-server's `truncated`).
     truncated: bool = False
+    # The processor's pixels for the prompt's images (models.vlm.PreparedImages); None: text.
+    images: Any = None
 
 
 # --- scheduler -> model runner ----------------------------------------------------------------
@@ -239,6 +253,8 @@ class InsertSequence:
     n_discard: int = 0
     # X-Priority lane (0 high: a live voice turn); 0 is read past the prefill budget.
     priority: int = 1
+    # The processor's pixels for the prompt's images (models.vlm.PreparedImages); None: text.
+    images: Any = None
 
 
 @attrs.frozen

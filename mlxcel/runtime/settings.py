@@ -81,6 +81,15 @@ class Settings:
     slots_endpoint: bool = True
     # Folder of /slots save and restore files; None: those actions answer 501.
     slot_save_path: Path | None = None
+    # Image inputs (vision models): --max-images per request, --max-image-payload-size bytes
+    # per image, --max-image-width/height pixels, --max-image-decode-alloc-bytes decoded,
+    # --media-path (the only folder local images are read from; None: no local files).
+    max_images: int = 16
+    max_image_payload: int = 64 * 1024 * 1024
+    max_image_width: int = 16_384
+    max_image_height: int = 16_384
+    max_image_decode_alloc: int = 512 * 1024 * 1024
+    media_path: Path | None = None
     # llama-server's --context-shift (off by default, as there): a sequence that fills its
     # context drops its oldest tokens after n_keep and goes on instead of stopping.
     context_shift: bool = False

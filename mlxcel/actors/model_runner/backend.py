@@ -28,6 +28,10 @@ class ModelInfo:
     # llama-server's `/v1/models` meta for the model (vocab_type, n_vocab, n_ctx_train,
     # n_embd, n_params, size) and its ftype ("MLX F32", "MLX Q4", ...); empty when unknown.
     meta: dict[str, Any] = attrs.field(factory=dict)
+    # A vision-language model's processor (``models.vlm.MediaProcessor``, thread-safe, no mlx
+    # state): the tokenizer actor turns a prompt and its images into tokens and pixels with it.
+    # None: the model reads text only.
+    media: Any = None
 
 
 class Backend(Protocol):

@@ -62,6 +62,7 @@ class MlxBackend:
     ) -> None:
         """``draft``: the ``--model-draft`` model, loaded (its tokenizer must be the model's)."""
         self._loaded = loaded
+        self._vision = loaded.vision
         ctx = settings.ctx_size or loaded.context_length
         self.info = ModelInfo(
             model_id=settings.alias or loaded.model_id,
@@ -73,6 +74,7 @@ class MlxBackend:
             description=f"{loaded.model_id} ({loaded.dtype})",
             device=device.describe().label,
             meta=model_meta(loaded),
+            media=loaded.vision.media if loaded.vision is not None else None,
         )
         mlx_lm_compat.install()  # once per process; the loader did it already
         if settings.batch_invariant:
@@ -370,6 +372,17 @@ class MlxBackend:
         for s in inserts:
             prompt = list(s.prompt_tokens)
             cache, n = None, 0
+            if s.images is not None and self._vision is not None:
+                # The images encoded and all of the prompt but its last token read, in this
+                # step (models/vlm.py); the row joins like a prompt-cache hit. Image prompts
+                # stay out of the prompt cache: their image tokens are the same ids whatever
+                # the picture.
+                rows.append(_Row(s, 0, prompt[-1:], self._vision.prefill(s.images), prompt[:-1]))
+                rows.extend(
+                    _Row(s, c, prompt[-1:], rows[-1].cache, prompt[:-1]) for c in range(1, s.n)
+                )
+                cached.append((s.request_id, 0))
+                continue
             if self._cache is not None and s.cache_key is not None:
                 # Batch-invariant: a seeded prompt is read whole, in the chunks a lone request
                 # reads it in (a cached prefix was computed in other chunks, or token by

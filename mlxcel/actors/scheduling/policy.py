@@ -193,6 +193,7 @@ def plan(
             n_keep=item.request.n_keep if item.request.n_keep is not None else 0,
             n_discard=item.request.n_discard,
             priority=item.request.priority,
+            images=item.images,
         )
         for item in started
     )

@@ -1,0 +1,165 @@
+"""Vision-language checkpoints, through mlx-vlm (issue 24).
+
+A VLM is served by the same continuous-batching engine as a text model. What differs is only
+how an image request's prompt is read:
+
+- off the compute thread (the tokenizer actor), mlx-vlm's processor turns the rendered prompt
+  and the decoded images into token ids (each image marker expanded into the image's tokens)
+  and pixel arrays (``prepare``: numpy only, so nothing mlx crosses threads);
+- on the model runner's thread, the vision tower encodes the pixels, the projector merges them
+  into the prompt's embeddings, and the language model reads all of the prompt but its last
+  token into a fresh KV cache (``prefill``: one call, which is the one step the other rows wait);
+- the row then joins the batch like a prompt-cache hit: the batch reads its last token and it
+  decodes through the language model alone (``LanguageModel``), as a text row does.
+
+Qwen2-VL-style models place tokens with M-RoPE: an image's tokens share positions, so the
+text after an image sits at "index + delta" (mlx-vlm's ``rope_deltas``, negative). A decoding
+row's position is its batch cache's ``offset`` (mlx-lm's batch cache uses ``offset`` for
+nothing else), so the row's cache carries ``delta`` in its offset from the moment it joins
+(``POSITION_SHIFT``, read by ``mlx_lm_compat``'s batch-cache merge), and ``LanguageModel``
+hands the language model explicit position ids built from the offsets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from mlxcel.models import mlx_lm_compat
+from mlxcel.models.mlx_setup import mx
+
+log = logging.getLogger(__name__)
+
+# The attribute on a row's layer caches that says how far its positions are from its length
+# (mlx_lm_compat's batch-cache merge reads it).
+POSITION_SHIFT = mlx_lm_compat.POSITION_SHIFT
+# Families whose language model places tokens with M-RoPE (three position streams).
+MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+
+
+def is_vlm(path: Path) -> bool:
+    """A checkpoint folder whose config describes a vision tower mlx-vlm knows."""
+    config_file = path / "config.json"
+    if not path.is_dir() or not config_file.is_file():
+        return False
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+@attrs.frozen(kw_only=True)
+class PreparedImages:
+    """What the processor made of a prompt and its images (numpy; read on another thread)."""
+
+    tokens: tuple[int, ...]
+    pixel_values: np.ndarray
+    # The family's extras (image_grid_thw, pixel_attention_mask, ...), as numpy arrays.
+    extras: tuple[tuple[str, np.ndarray], ...] = ()
+    # How many of ``tokens`` are image tokens.
+    image_tokens: int = 0
+
+
+class MediaProcessor:
+    """The checkpoint's processor, for the tokenizer actor's thread: thread-safe (it only
+    reads its configuration), holds no mlx state."""
+
+    def __init__(self, processor: Any, image_token_id: int, family: str) -> None:
+        self._processor = processor
+        self.image_token_id = image_token_id
+        self.family = family
+
+    def prepare(self, prompt: str, images: list[Any]) -> PreparedImages:
+        out = self._processor(text=[prompt], images=images, return_tensors="np")
+        arrays = {k: np.asarray(v) for k, v in out.items()}
+        ids = arrays.pop("input_ids")[0].astype(np.int64)
+        arrays.pop("attention_mask", None)
+        pixels = arrays.pop("pixel_values")
+        return PreparedImages(
+            tokens=tuple(int(t) for t in ids),
+            pixel_values=pixels,
+            extras=tuple(sorted(arrays.items())),
+            image_tokens=int((ids == self.image_token_id).sum()),
+        )
+
+
+class LanguageModel:
+    """The VLM's language model as mlx-lm's generator calls a model: ``model(inputs,
+    cache=...)`` returning logits, ``layers`` for its caches. M-RoPE families get explicit
+    position ids from each row's cache offset (see the module's docstring)."""
+
+    def __init__(self, language_model: Any, mrope: bool) -> None:
+        self._lm = language_model
+        self._mrope = mrope
+        self.layers = language_model.layers
+        if hasattr(language_model, "make_cache"):
+            self.make_cache = language_model.make_cache
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> mx.array:
+        if self._mrope and cache and cache[0] is not None:
+            batch, length = inputs.shape
+            offset = cache[0].offset
+            start = offset[:, None] if isinstance(offset, mx.array) else mx.array([[offset]])
+            positions = mx.broadcast_to(start + mx.arange(length)[None, :], (batch, length))
+            kwargs["position_ids"] = mx.broadcast_to(positions[None], (3, batch, length))
+        logits: mx.array = self._lm(inputs, cache=cache, **kwargs).logits
+        return logits
+
+    def parameters(self) -> Any:
+        return self._lm.parameters()
+
+
+@attrs.frozen(kw_only=True)
+class Vision:
+    """The whole mlx-vlm model (vision tower, projector, language model) and its processor."""
+
+    model: Any
+    media: MediaProcessor
+    family: str
+
+    @property
+    def mrope(self) -> bool:
+        return self.family in MROPE_FAMILIES
+
+    def prefill(self, prepared: PreparedImages) -> list[Any]:
+        """All of the prompt but its last token read into a fresh KV cache (one per layer),
+        the images encoded and merged on the way. Model runner's thread."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        lm = self.model.language_model
+        cache = make_prompt_cache(LanguageModel(lm, self.mrope))  # type: ignore[arg-type]
+        ids = mx.array([list(prepared.tokens[:-1])])
+        extras = {k: mx.array(v) for k, v in prepared.extras}
+        self.model(ids, mx.array(prepared.pixel_values), cache=cache, **extras)
+        mx.eval([c.state for c in cache])
+        if self.mrope:
+            deltas = getattr(lm, "_rope_deltas", None)
+            shift = int(np.asarray(deltas).reshape(-1)[0]) if deltas is not None else 0
+            # The model keeps the last prompt's positions for itself: our rows carry theirs.
+            lm._rope_deltas = None
+            lm._position_ids = None
+            for c in cache:
+                setattr(c, POSITION_SHIFT, shift)
+        return list(cache)
+
+
+def load_vlm(path: Path) -> tuple[Vision, Any, dict[str, Any]]:
+    """Load a VLM folder with mlx-vlm: the parts, the transformers tokenizer, the config."""
+    from mlx_vlm.utils import load
+
+    model, processor = load(str(path))
+    config = json.loads((path / "config.json").read_text())
+    family = str(config.get("model_type", ""))
+    token_id = getattr(model.config, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(model.config, "image_token_index", None)
+    if token_id is None:
+        raise ValueError(f"{path}: the config names no image token")
+    media = MediaProcessor(processor, int(token_id), family)
+    return Vision(model=model, media=media, family=family), processor.tokenizer, config
