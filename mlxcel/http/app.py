@@ -27,6 +27,7 @@ from mlxcel.http import (
     transport,
 )
 from mlxcel.http import realtime as realtime_ws
+from mlxcel.http import webui as webui_page
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import (
     Family,
@@ -55,7 +56,7 @@ async def _check_headers() -> None:
     sse.check_conversation_id()
 
 
-def create_app(ctx: ServerContext) -> QuartTrio:
+def create_app(ctx: ServerContext, *, webui: bool = True) -> QuartTrio:
     app = QuartTrio("mlxcel")
     # Keep-alive connections survive answers sent before the body was read, and a body over the
     # limit gets its 413 and a closed connection (see transport.py).
@@ -70,6 +71,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = ctx.settings.max_request_bytes
     prefix = ctx.settings.api_prefix.rstrip("/") or None
+    if webui:
+        app.config["MLXCEL_WEBUI"] = webui_page.build(
+            api_prefix=prefix or "", keys=bool(ctx.settings.api_keys)
+        )
     security.install(app, ctx.settings)
     app.before_request(_check_headers)
     app.register_blueprint(health.bp, url_prefix=prefix)

@@ -47,7 +47,6 @@ def test_a_typical_llama_server_line_starts() -> None:
         (("--no-jinja",), "Jinja"),
         (("--mlock",), "nothing to lock"),
         (("-tb", "2"), "one thread count"),
-        (("--webui",), "no web UI"),
     ],
 )
 def test_flags_asking_for_what_mlx_does_not_do_stop_the_server(
