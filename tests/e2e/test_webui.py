@@ -1,0 +1,320 @@
+"""The chat page at `/`, used in a real browser: Debian's Chromium (headless), driven by
+Playwright for Python, against `mlxcel serve` with the embedded default model.
+
+Talk mode hears a question spoken by the Piper voice through Chromium's fake microphone. The
+run writes the screenshots in docs/images/ (the chat and talk views)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import time
+import wave
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, ServerProcess
+from tests.support.metrics import sample, wait_for
+from tests.support.realtime import silence, spoken
+
+IMAGES = REPO / "docs" / "images"
+KEY = "open-sesame"
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
+    "--autoplay-policy=no-user-gesture-required",
+]
+
+
+def chromium() -> str:
+    """Debian's Chromium. tools/setup.sh installs it wherever apt exists, so a missing one
+    there is a failure, never a skip that would count as a pass."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if sys.platform != "linux" or shutil.which("apt-get") is None:
+        pytest.skip("the browser tests drive Debian's chromium (Linux with apt only)")
+    pytest.fail("chromium is not installed: run tools/setup.sh (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    s = ServerProcess(["--parallel", "2", "--metrics"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The spoken question, then silence long enough for the answer (it plays once)."""
+    pcm = np.concatenate([silence(0.5), spoken(), silence(8.0)])
+    path = tmp_path_factory.mktemp("audio") / "question.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(pcm.astype("<i2").tobytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser(question_wav: Path) -> Iterator[Any]:
+    executable = chromium()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        fake_mic = f"--use-file-for-fake-audio-capture={question_wav}%noloop"
+        b = p.chromium.launch(executable_path=executable, args=[*BROWSER_ARGS, fake_mic])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A fresh profile (empty storage) per test; uncaught errors and CSP violations fail it."""
+    context = browser.new_context(viewport={"width": 1000, "height": 700})
+    p = context.new_page()
+    problems: list[str] = []
+    p.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    p.on(
+        "console",
+        lambda m: problems.append(m.text) if "Content Security Policy" in m.text else None,
+    )
+    yield p
+    context.close()
+    assert not problems
+
+
+def until(check: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
+    """Poll ``check`` (the page's CSP forbids Playwright's string predicates)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def shot(page: Any, name: str) -> None:
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(IMAGES / name))
+
+
+def open_page(page: Any, base_url: str) -> None:
+    page.goto(base_url + "/")
+    page.wait_for_selector("body[data-ready=true]", state="attached")
+
+
+def settings(page: Any, **values: object) -> None:
+    page.click("#settings-button")
+    for name, value in values.items():
+        page.fill(f"#set-{name}", str(value))
+        page.dispatch_event(f"#set-{name}", "change")
+    page.click("#settings-button")
+
+
+def ask(page: Any, question: str) -> None:
+    page.fill("#prompt", question)
+    page.press("#prompt", "Enter")
+    page.wait_for_selector("body[data-state=streaming]", state="attached")
+
+
+def idle(page: Any) -> None:
+    page.wait_for_selector("body[data-state=idle]", state="attached", timeout=120_000)
+
+
+def test_json_clients_keep_the_status_and_browsers_get_the_page(server: ServerProcess) -> None:
+    assert httpx.get(server.base_url + "/").json() == {"status": "ok"}
+    r = httpx.get(server.base_url + "/", headers={"Accept": "application/json"})
+    assert r.json() == {"status": "ok"}
+    navigation = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
+    r = httpx.get(server.base_url + "/", headers={"Accept": navigation, "Accept-Encoding": "gzip"})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    assert "script-src 'sha256-" in r.headers["content-security-policy"]
+    # One self-contained document (no CDN, no second request), small for a fast cold load.
+    assert r.headers["content-encoding"] == "gzip"
+    assert int(r.headers["content-length"]) < 20_000
+    assert len(r.content) < 80_000
+    assert not re.search(r"(src|href)=\"?https?:", r.text)
+    again = httpx.get(
+        server.base_url + "/", headers={"Accept": navigation, "If-None-Match": r.headers["etag"]}
+    )
+    assert again.status_code == 304
+
+
+def test_typed_question_streams_an_answer_kept_in_the_browser(
+    page: Any, server: ServerProcess
+) -> None:
+    open_page(page, server.base_url)
+    assert page.input_value("#model") == "SmolLM2-135M-Instruct"
+    # Greedy: the same answer (and screenshot) every run.
+    settings(page, max_tokens=48, temperature=0)
+    ask(page, "Write a Python function that adds two numbers.")
+    # Text appears while the answer is still streaming, and the stop button is offered.
+    until(lambda: bool(page.inner_text(".msg.assistant .body").strip()), "the first words")
+    idle(page)
+    answer = page.inner_text(".msg.assistant .body")
+    assert answer.strip()
+    assert "tok/s" in page.inner_text(".msg.assistant .stats")
+    shot(page, "webui-chat.png")
+
+    page.click(".msg.assistant .regenerate")
+    idle(page)
+    assert page.locator(".msg.assistant").count() == 1
+    assert page.inner_text(".msg.assistant .body").strip()
+
+    # Reloaded, the conversation is still there (the browser's storage keeps it).
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]", state="attached")
+    title = "Write a Python function that adds two numbers."
+    page.click(f"#conversations li span[title='{title}']")
+    assert page.locator(".msg.user .body").inner_text() == title
+    assert page.locator(".msg.assistant").count() == 1
+
+
+def test_edit_turn_asks_again(page: Any, server: ServerProcess) -> None:
+    open_page(page, server.base_url)
+    settings(page, max_tokens=8)
+    ask(page, "Say hello.")
+    idle(page)
+    page.click(".msg.user .edit")
+    page.fill(".msg.user textarea", "Say goodbye.")
+    page.click(".msg.user .actions button:text('Save & send')")
+    page.wait_for_selector("body[data-state=streaming]", state="attached")
+    idle(page)
+    assert page.inner_text(".msg.user .body") == "Say goodbye."
+    assert page.locator(".msg").count() == 2
+
+
+def test_stop_aborts_the_request_on_the_server(page: Any, server: ServerProcess) -> None:
+    open_page(page, server.base_url)
+    settings(page, max_tokens=4000)
+    before = sample(server.base_url, "mlxcel_aborts_total") or 0.0
+    ask(page, "Tell me a very long story about a dragon and a knight.")
+    until(lambda: len(page.inner_text(".msg.assistant .body")) > 20, "some of the story")
+    page.click("#stop")
+    idle(page)
+    # The fetch was aborted, so the server cancelled the row.
+    wait_for(server.base_url, "mlxcel_aborts_total", lambda v: v >= before + 1)
+    assert "stopped" in page.inner_text(".msg.assistant .stats")
+
+
+def test_untrusted_answers_render_as_markdown_without_markup(
+    page: Any, server: ServerProcess
+) -> None:
+    hostile = (
+        "# Title\n<img src=x onerror=\"document.title='pwned'\">\n"
+        "**bold** and [a link](javascript:alert(1)) and [ok](https://example.org)\n\n"
+        "```python\ndef f(x):  # note\n    return x + 1\n```\n"
+    )
+    conversation = {
+        "id": "c1",
+        "title": "Stored",
+        "updated": 1,
+        "messages": [
+            {"role": "user", "content": "<b>not bold</b>"},
+            {
+                "role": "assistant",
+                "content": hostile,
+                "reasoning": "Thinking it over.",
+                "toolCalls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
+            },
+        ],
+    }
+    open_page(page, server.base_url)
+    page.evaluate(
+        "c => localStorage.setItem('mlxcel.conversations', JSON.stringify([c]))", conversation
+    )
+    page.reload()
+    page.click("#conversations li span[title='Stored']")
+    body = page.locator(".msg.assistant .body")
+    assert body.locator("h1").inner_text() == "Title"
+    assert body.locator("strong").inner_text() == "bold"
+    assert body.locator("img").count() == 0 and "<img src=x" in body.inner_text()
+    hrefs = [a.get_attribute("href") for a in body.locator("a").all()]
+    assert hrefs == ["https://example.org"]
+    assert body.locator("pre code .hl-k").first.inner_text() == "def"
+    assert body.locator("pre code .hl-c").inner_text() == "# note"
+    assert page.locator(".msg.user .body b").count() == 0
+    assert page.locator("details.reasoning summary").inner_text() == "Reasoning"
+    assert "get_weather" in page.inner_text(".tool-call")
+    assert page.title() == "mlxcel"
+
+
+def test_talk_mode_hears_the_question_and_plays_the_answer(
+    page: Any, server: ServerProcess
+) -> None:
+    open_page(page, server.base_url)
+    page.click("#talk-button")
+    page.wait_for_selector("#talk-log .line.user", timeout=120_000)
+    until(
+        lambda: "capital" in page.inner_text("#talk-log .line.user").lower(),
+        "the transcript",
+        120,
+    )
+    heard = page.inner_text("#talk-log .line.user").lower()
+    assert "france" in heard
+    until(lambda: int(page.get_attribute("#talk", "data-played-bytes")) > 0, "answer audio", 120)
+    page.wait_for_selector("#talk[data-state=listening]", state="attached", timeout=120_000)
+    assert page.inner_text("#talk-log .line.assistant").strip()
+    # 24 kHz PCM16: a spoken answer is at least a fraction of a second.
+    assert int(page.get_attribute("#talk", "data-played-bytes")) > 24_000
+    shot(page, "webui-talk.png")
+    page.click("#talk-end")
+    page.wait_for_selector("#messages .msg.user", timeout=10_000)
+    assert "france" in page.inner_text("#messages .msg.user .body").lower()
+
+
+@pytest.fixture(scope="module")
+def key_server() -> Iterator[ServerProcess]:
+    s = ServerProcess(["--parallel", "1", "--api-key", KEY, "-n", "16"])
+    yield s
+    s.stop()
+
+
+def test_key_protected_server_asks_for_the_key(page: Any, key_server: ServerProcess) -> None:
+    page.goto(key_server.base_url + "/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", "wrong")
+    page.press("#key-input", "Enter")
+    page.wait_for_selector("#key-error:not([hidden])")
+    page.fill("#key-input", KEY)
+    page.press("#key-input", "Enter")
+    page.wait_for_selector("body[data-ready=true]", state="attached")
+    ask(page, "Hello!")
+    idle(page)
+    assert page.inner_text(".msg.assistant .body").strip()
+    assert not page.locator(".msg.assistant .error").count()
+    # Kept in the browser: a reload does not ask again.
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert not page.locator("#key-dialog[open]").count()
+    # The realtime socket takes the key as a subprotocol (a browser cannot send headers).
+    page.click("#talk-button")
+    page.wait_for_selector("#talk[data-state=listening]", state="attached", timeout=60_000)
+    page.click("#talk-end")
+
+
+def test_no_webui_keeps_the_json_status() -> None:
+    s = ServerProcess(["--no-webui", "--no-audio"])
+    try:
+        r = httpx.get(s.base_url + "/", headers={"Accept": "text/html"})
+        assert r.status_code == 200
+        assert json.loads(r.text) == {"status": "ok"}
+    finally:
+        s.stop()
