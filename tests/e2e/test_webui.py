@@ -6,6 +6,7 @@ run writes the screenshots in docs/images/ (the chat and talk views)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -59,34 +60,42 @@ def server() -> Iterator[ServerProcess]:
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def question_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The spoken question, then silence long enough for the answer (it plays once)."""
-    pcm = np.concatenate([silence(0.5), spoken(), silence(8.0)])
-    path = tmp_path_factory.mktemp("audio") / "question.wav"
+def write_wav(path: Path, *parts: np.ndarray) -> Path:
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
         w.setframerate(16_000)
-        w.writeframes(pcm.astype("<i2").tobytes())
+        w.writeframes(np.concatenate(parts).astype("<i2").tobytes())
     return path
 
 
 @pytest.fixture(scope="module")
-def browser(question_wav: Path) -> Iterator[Any]:
+def playwright() -> Iterator[Any]:
     executable = chromium()
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        fake_mic = f"--use-file-for-fake-audio-capture={question_wav}%noloop"
-        b = p.chromium.launch(executable_path=executable, args=[*BROWSER_ARGS, fake_mic])
-        yield b
-        b.close()
+
+        def launch(microphone: Path) -> Any:
+            # The fake microphone plays the file once (%noloop), then silence.
+            fake_mic = f"--use-file-for-fake-audio-capture={microphone}%noloop"
+            return p.chromium.launch(executable_path=executable, args=[*BROWSER_ARGS, fake_mic])
+
+        yield launch
 
 
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    """A fresh profile (empty storage) per test; uncaught errors and CSP violations fail it."""
+@pytest.fixture(scope="module")
+def browser(playwright: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Its microphone says the question, then stays silent long enough for the answer."""
+    wav = tmp_path_factory.mktemp("audio") / "question.wav"
+    b = playwright(write_wav(wav, silence(0.5), spoken(), silence(8.0)))
+    yield b
+    b.close()
+
+
+@contextlib.contextmanager
+def browsing(browser: Any) -> Iterator[Any]:
+    """A fresh profile (empty storage); uncaught errors and CSP violations fail the test."""
     context = browser.new_context(viewport={"width": 1000, "height": 700})
     p = context.new_page()
     problems: list[str] = []
@@ -98,6 +107,12 @@ def page(browser: Any) -> Iterator[Any]:
     yield p
     context.close()
     assert not problems
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    with browsing(browser) as p:
+        yield p
 
 
 def until(check: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
@@ -165,8 +180,10 @@ def test_typed_question_streams_an_answer_kept_in_the_browser(
     # Greedy: the same answer (and screenshot) every run.
     settings(page, max_tokens=48, temperature=0)
     ask(page, "Write a Python function that adds two numbers.")
-    # Text appears while the answer is still streaming, and the stop button is offered.
+    # Words appear while the answer is still streaming (48 tokens take seconds here).
     until(lambda: bool(page.inner_text(".msg.assistant .body").strip()), "the first words")
+    assert page.get_attribute("body", "data-state") == "streaming"
+    assert page.is_visible("#stop") and not page.is_visible("#send")
     idle(page)
     answer = page.inner_text(".msg.assistant .body")
     assert answer.strip()
@@ -260,6 +277,7 @@ def test_talk_mode_hears_the_question_and_plays_the_answer(
     page: Any, server: ServerProcess
 ) -> None:
     open_page(page, server.base_url)
+    settings(page, max_tokens=24)  # the answer's limit in talk mode too
     page.click("#talk-button")
     page.wait_for_selector("#talk-log .line.user", timeout=120_000)
     until(
@@ -278,6 +296,43 @@ def test_talk_mode_hears_the_question_and_plays_the_answer(
     page.click("#talk-end")
     page.wait_for_selector("#messages .msg.user", timeout=10_000)
     assert "france" in page.inner_text("#messages .msg.user .body").lower()
+
+
+def test_talking_over_the_answer_cuts_it_off(
+    playwright: Any, server: ServerProcess, tmp_path: Path
+) -> None:
+    # A question with a long answer, then the user talks over it with another question.
+    wav = write_wav(
+        tmp_path / "barge-in.wav",
+        silence(0.5),
+        spoken("Tell me a long story about a dragon."),
+        silence(3.0),
+        spoken(),
+        silence(10.0),
+    )
+    browser = playwright(wav)
+    try:
+        with browsing(browser) as page:
+            open_page(page, server.base_url)
+            settings(page, max_tokens=200)
+            page.click("#talk-button")
+            page.wait_for_selector(
+                "#talk-log .line.assistant.cancelled", state="attached", timeout=120_000
+            )
+            # The answer was playing: the page dropped what it still had queued.
+            assert int(page.get_attribute("#talk", "data-cut-off")) >= 1
+            until(
+                lambda: "france" in page.inner_text("#talk-log").lower(),
+                "the second question",
+                120,
+            )
+            page.wait_for_selector(
+                "#talk-log .line.user + .line.assistant:not(.cancelled)",
+                state="attached",
+                timeout=120_000,
+            )
+    finally:
+        browser.close()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 // both ways), the answer's audio played as it arrives, the live transcript and answer text.
 // Turn-taking is the server's VAD: when it hears speech over an answer it cancels that answer,
 // and the page drops the audio it still had queued. #talk[data-played-bytes] counts the answer
-// audio scheduled for playback; #talk[data-state] is off, connecting, listening, or answering.
+// audio scheduled for playback, #talk[data-cut-off] the answers cut off while they played;
+// #talk[data-state] is off, connecting, listening, or answering.
 
 const RATE = 24000;
 
@@ -66,6 +67,10 @@ function play(b64) {
 }
 
 function silencePlayback() {
+  if (talk.sources.size) {
+    const panel = $("talk");
+    panel.dataset.cutOff = Number(panel.dataset.cutOff || 0) + 1;
+  }
   for (const source of talk.sources) source.stop();
   talk.sources.clear();
   talk.playhead = 0;
@@ -73,17 +78,21 @@ function silencePlayback() {
 
 function onRealtimeEvent(event) {
   switch (event.type) {
-    case "session.created":
+    case "session.created": {
+      const settings = loadSettings();
+      const limit = samplingFields(settings).max_tokens;
       talk.ws.send(JSON.stringify({
         type: "session.update",
         session: {
           type: "realtime",
-          instructions: loadSettings().system || "You are a helpful voice assistant. Answer briefly.",
+          instructions: settings.system || "You are a helpful voice assistant. Answer briefly.",
           output_modalities: ["audio"],
+          max_output_tokens: limit >= 1 && limit <= 4096 ? Math.round(limit) : "inf",
           audio: { input: { turn_detection: { type: "server_vad" } } },
         },
       }));
       break;
+    }
     case "session.updated":
       talkState("listening", "Listening\u2026 speak now.");
       break;
