@@ -6,6 +6,7 @@ run writes the screenshots in docs/images/ (the chat and talk views)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import re
@@ -231,6 +232,44 @@ def test_stop_aborts_the_request_on_the_server(page: Any, server: ServerProcess)
     assert "stopped" in page.inner_text(".msg.assistant .stats")
 
 
+def test_image_attach_once_the_model_reads_images(page: Any, server: ServerProcess) -> None:
+    open_page(page, server.base_url)
+    assert not page.is_visible("#attach")  # SmolLM2 reads text only
+    # A vision model's /props, and its answer, stand in for one here.
+    props = httpx.get(server.base_url + "/props").json()
+    props["modalities"]["vision"] = True
+    page.route("**/props", lambda route: route.fulfill(json=props))
+    sent: list[dict[str, Any]] = []
+
+    def answer(route: Any) -> None:
+        sent.append(json.loads(route.request.post_data))
+        chunk = {"choices": [{"index": 0, "delta": {"content": "A red square."}}]}
+        route.fulfill(
+            body=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n",
+            headers={"Content-Type": "text/event-stream"},
+        )
+
+    page.route("**/v1/chat/completions", answer)
+    page.reload()
+    page.wait_for_selector("body[data-ready=true]", state="attached")
+    assert page.is_visible("#attach")
+    png = base64.b64decode(
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    )
+    image = {"name": "red.png", "mimeType": "image/png", "buffer": png}
+    page.set_input_files("#image-input", image)
+    page.wait_for_selector("#attachments img")
+    page.fill("#prompt", "What is this?")
+    page.press("#prompt", "Enter")
+    until(lambda: page.inner_text(".msg.assistant .body") == "A red square.", "the answer")
+    idle(page)
+    parts = sent[0]["messages"][-1]["content"]
+    assert parts[0]["type"] == "image_url"
+    assert parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    assert parts[1] == {"type": "text", "text": "What is this?"}
+    assert page.locator(".msg.user .body img").count() == 1
+
+
 def test_untrusted_answers_render_as_markdown_without_markup(
     page: Any, server: ServerProcess
 ) -> None:
@@ -337,7 +376,8 @@ def test_talking_over_the_answer_cuts_it_off(
 
 @pytest.fixture(scope="module")
 def key_server() -> Iterator[ServerProcess]:
-    s = ServerProcess(["--parallel", "1", "--api-key", KEY, "-n", "16"])
+    # Under a prefix too: the page at / calls /api/... (and /api/v1/realtime).
+    s = ServerProcess(["--parallel", "1", "--api-key", KEY, "-n", "16", "--api-prefix", "/api"])
     yield s
     s.stop()
 

@@ -19,6 +19,9 @@ $("key-form").addEventListener("submit", (event) => {
   discover();
 });
 
+// Without a key the page can do nothing: Escape does not dismiss the question.
+$("key-dialog").addEventListener("cancel", (event) => event.preventDefault());
+
 $("forget-key").addEventListener("click", () => {
   localStorage.removeItem(KEY_STORAGE);
   $("forget-key").hidden = true;
