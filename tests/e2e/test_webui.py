@@ -324,6 +324,9 @@ def test_talk_mode_hears_the_question_and_plays_the_answer(
         "the transcript",
         120,
     )
+    # Read at the device's rate (Chromium's fake one: 44.1 kHz) and resampled to 24 kHz by
+    # the page's worklet: the transcript above is what checks the resampling.
+    assert int(page.get_attribute("#talk", "data-mic-rate")) >= 8000
     heard = page.inner_text("#talk-log .line.user").lower()
     assert "france" in heard
     until(lambda: int(page.get_attribute("#talk", "data-played-bytes")) > 0, "answer audio", 120)

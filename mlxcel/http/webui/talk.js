@@ -2,7 +2,8 @@
 // both ways), the answer's audio played as it arrives, the live transcript and answer text.
 // Turn-taking is the server's VAD: when it hears speech over an answer it cancels that answer,
 // and the page drops the audio it still had queued. #talk[data-played-bytes] counts the answer
-// audio scheduled for playback, #talk[data-cut-off] the answers cut off while they played;
+// audio scheduled for playback, #talk[data-cut-off] the answers cut off while they played,
+// #talk[data-mic-rate] the rate the microphone is read at (resampled to RATE for the server);
 // #talk[data-state] is off, connecting, listening, or answering.
 
 const RATE = 24000;
@@ -144,7 +145,10 @@ async function startTalk() {
     talk.stream = await navigator.mediaDevices.getUserMedia({
       audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
     });
-    talk.context = new AudioContext({ sampleRate: RATE });
+    // At the device's own rate: the worklet resamples the microphone, and buffers at RATE
+    // are resampled by the browser when they play.
+    talk.context = new AudioContext();
+    $("talk").dataset.micRate = talk.context.sampleRate;
     const source = $("mic-worklet").textContent;
     const url = URL.createObjectURL(new Blob([source], { type: "text/javascript" }));
     await talk.context.audioWorklet.addModule(url);
@@ -167,7 +171,7 @@ async function startTalk() {
   };
   ws.onopen = () => {
     const mic = talk.context.createMediaStreamSource(talk.stream);
-    const node = new AudioWorkletNode(talk.context, "mic-capture");
+    const node = new AudioWorkletNode(talk.context, "mic-capture", { processorOptions: { rate: RATE } });
     node.port.onmessage = (frame) => {
       if (ws.readyState === WebSocket.OPEN) {
         ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64Of(frame.data) }));
