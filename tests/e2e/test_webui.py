@@ -270,6 +270,48 @@ def test_image_attach_once_the_model_reads_images(page: Any, server: ServerProce
     assert page.locator(".msg.user .body img").count() == 1
 
 
+def test_streamed_reasoning_tool_calls_and_speed_are_shown(
+    page: Any, server: ServerProcess
+) -> None:
+    # SmolLM2 neither reasons nor calls tools: a stream shaped as ours are stands in for one.
+    def delta(**d: Any) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "delta": d}]}
+
+    chunks = [
+        delta(role="assistant", content=""),
+        delta(reasoning_content="The user wants "),
+        delta(reasoning_content="the weather."),
+        delta(tool_calls=[{"index": 0, "function": {"name": "get_weather", "arguments": ""}}]),
+        delta(tool_calls=[{"index": 0, "function": {"arguments": '{"city": '}}]),
+        delta(tool_calls=[{"index": 0, "function": {"arguments": '"Paris"}'}}]),
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21},
+            "timings": {"predicted_n": 12, "predicted_per_second": 42.5},
+        },
+    ]
+    # A keep-alive comment between events, as the server sends while a prompt is read.
+    body = ": ping\n\n" + "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            body=body + "data: [DONE]\n\n", headers={"Content-Type": "text/event-stream"}
+        ),
+    )
+    open_page(page, server.base_url)
+    page.fill("#prompt", "Weather in Paris?")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant .tool-call")
+    idle(page)
+    reasoning = page.locator(".msg.assistant details.reasoning")
+    # Collapsed, apart from the answer, until asked for.
+    assert reasoning.inner_text() == "Reasoning"
+    reasoning.locator("summary").click()
+    assert reasoning.inner_text().endswith("The user wants the weather.")
+    assert page.inner_text(".tool-call") == '\u2192 get_weather({"city": "Paris"})'
+    assert page.inner_text(".msg.assistant .stats") == "12 tokens \u00b7 42.5 tok/s"
+
+
 def test_untrusted_answers_render_as_markdown_without_markup(
     page: Any, server: ServerProcess
 ) -> None:

@@ -208,6 +208,8 @@ async function answer() {
   const paint = () => {
     pending = false;
     const fresh = renderMessage(message, conv.messages.length - 1);
+    // Reasoning opened while it streams stays open.
+    if (node.querySelector("details.reasoning")?.open) fresh.querySelector("details.reasoning").open = true;
     node.replaceChildren(...fresh.childNodes);
     const box = $("messages");
     if (box.scrollHeight - box.scrollTop - box.clientHeight < 120) box.scrollTop = box.scrollHeight;
