@@ -258,15 +258,18 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="serve per-slot state at /slots (default; env: LLAMA_ARG_ENDPOINT_SLOTS)",
     )
     p.add_argument("--no-slots", dest="slots", action="store_false", help="turn /slots off")
+    # llama-server's newer spelling is --ui / --no-ui (LLAMA_ARG_UI); --webui stays an alias.
     p.add_argument(
         "--webui",
+        "--ui",
         dest="webui",
         action="store_true",
-        default=_env_bool("LLAMA_ARG_WEBUI", True),
-        help="serve the chat page at / to browsers (default; env: LLAMA_ARG_WEBUI)",
+        default=_env_bool("LLAMA_ARG_UI", _env_bool("LLAMA_ARG_WEBUI", True)),
+        help="serve the chat page at / to browsers (default; env: LLAMA_ARG_UI, LLAMA_ARG_WEBUI)",
     )
     p.add_argument(
         "--no-webui",
+        "--no-ui",
         dest="webui",
         action="store_false",
         help='turn the chat page off: / answers {"status":"ok"} to browsers too',
