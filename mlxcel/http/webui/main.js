@@ -93,7 +93,7 @@ $("image-input").addEventListener("change", (event) => {
   attachImages(event.target.files);
   event.target.value = "";
 });
-$("talk-button").addEventListener("click", () => (talk.ws ? stopTalk() : startTalk()));
+$("talk-button").addEventListener("click", () => (talk.on ? stopTalk() : startTalk()));
 $("talk-end").addEventListener("click", () => stopTalk());
 
 initSettings();

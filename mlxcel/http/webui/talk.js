@@ -9,6 +9,7 @@
 const RATE = 24000;
 
 const talk = {
+  on: false, // from the button's press until the talk ends
   ws: null,
   context: null,
   stream: null,
@@ -134,7 +135,8 @@ function onRealtimeEvent(event) {
 }
 
 async function startTalk() {
-  if (talk.ws) return;
+  if (talk.on) return;
+  talk.on = true;
   $("messages").hidden = true;
   $("talk").hidden = false;
   $("talk-button").classList.add("on");
@@ -158,18 +160,29 @@ async function startTalk() {
     stopTalk(false);
     return;
   }
+  if (!talk.on) {
+    stopTalk(false); // ended while the browser asked for the microphone: release it
+    return;
+  }
   const key = apiKey();
   // A browser's WebSocket cannot send headers: the key travels as a subprotocol.
   const ws = new WebSocket(realtimeURL(), key ? ["realtime", `openai-insecure-api-key.${key}`] : []);
   talk.ws = ws;
   ws.onmessage = (message) => onRealtimeEvent(JSON.parse(message.data));
+  let opened = false;
   ws.onclose = (close) => {
     if (talk.ws === ws) {
       stopTalk(false);
-      talkState("off", close.code === 1000 ? "Talk ended." : `Disconnected (${close.code}).`);
+      const why = !opened
+        ? "The server refused the voice session."
+        : close.code === 1000
+          ? "Talk ended."
+          : `Disconnected (${close.code}${close.reason ? `: ${close.reason}` : ""}).`;
+      talkState("off", why);
     }
   };
   ws.onopen = () => {
+    opened = true;
     const mic = talk.context.createMediaStreamSource(talk.stream);
     const node = new AudioWorkletNode(talk.context, "mic-capture", { processorOptions: { rate: RATE } });
     node.port.onmessage = (frame) => {
@@ -186,6 +199,7 @@ async function startTalk() {
 }
 
 function stopTalk(showChat = true) {
+  talk.on = false;
   const ws = talk.ws;
   talk.ws = null;
   if (ws && ws.readyState <= WebSocket.OPEN) ws.close(1000, "talk ended");
