@@ -19,7 +19,10 @@ async def root() -> Response:
     # Served while the model loads too: the page says so itself until /health answers 200.
     if page is not None and webui.wanted():
         return webui.respond(page)
-    return await health()
+    response = await health()
+    if page is not None:
+        response.vary.add("Accept")  # a cache must not hand this to a browser
+    return response
 
 
 @bp.get("/health")

@@ -157,6 +157,7 @@ def test_json_clients_keep_the_status_and_browsers_get_the_page(server: ServerPr
     assert httpx.get(server.base_url + "/").json() == {"status": "ok"}
     r = httpx.get(server.base_url + "/", headers={"Accept": "application/json"})
     assert r.json() == {"status": "ok"}
+    assert "Accept" in r.headers["vary"]
     navigation = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
     r = httpx.get(server.base_url + "/", headers={"Accept": navigation, "Accept-Encoding": "gzip"})
     assert r.status_code == 200
