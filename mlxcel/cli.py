@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,22 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="serve per-slot state at /slots (default; env: LLAMA_ARG_ENDPOINT_SLOTS)",
     )
     p.add_argument("--no-slots", dest="slots", action="store_false", help="turn /slots off")
+    # llama-server's newer spelling is --ui / --no-ui (LLAMA_ARG_UI); --webui stays an alias.
+    p.add_argument(
+        "--webui",
+        "--ui",
+        dest="webui",
+        action="store_true",
+        default=_env_bool("LLAMA_ARG_UI", _env_bool("LLAMA_ARG_WEBUI", True)),
+        help="serve the chat page at / to browsers (default; env: LLAMA_ARG_UI, LLAMA_ARG_WEBUI)",
+    )
+    p.add_argument(
+        "--no-webui",
+        "--no-ui",
+        dest="webui",
+        action="store_false",
+        help='turn the chat page off: / answers {"status":"ok"} to browsers too',
+    )
     p.add_argument(
         "--slot-save-path",
         default=_env("LLAMA_ARG_SLOT_SAVE_PATH"),
@@ -912,7 +929,7 @@ def _leaf(error: BaseException) -> BaseException:
     return error
 
 
-def run_serve(settings: Settings) -> int:
+def run_serve(settings: Settings, *, webui: bool = True) -> int:
     # Before any thread starts or any array is allocated (see runtime/allocator.py).
     tuned = allocator.configure()
     _configure_logging(settings.verbose)
@@ -947,7 +964,7 @@ def run_serve(settings: Settings) -> int:
     from mlxcel.server import serve
 
     try:
-        trio.run(serve, settings)
+        trio.run(partial(serve, settings, webui=webui))
     except BaseException as error:  # noqa: BLE001 - unwrap the nursery's group, report, exit
         leaf = _leaf(error)
         if isinstance(leaf, ModelError):
@@ -969,7 +986,8 @@ def main_server(argv: Sequence[str] | None = None) -> int:
         prog="mlxcel-server", description="LLM inference server on MLX", allow_abbrev=False
     )
     add_serve_flags(p)
-    return run_serve(settings_from(p.parse_args(_argv(argv))))
+    args = p.parse_args(_argv(argv))
+    return run_serve(settings_from(args), webui=args.webui)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -989,4 +1007,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         p.print_help()
         return 2
-    return run_serve(settings_from(args))
+    return run_serve(settings_from(args), webui=args.webui)

@@ -63,8 +63,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmap", action="store_true", help=hidden)
     p.add_argument("--no-mmap", action="store_true", help=hidden)
     p.add_argument("--mlock", action="store_true", help=hidden)
-    p.add_argument("--no-webui", action="store_true", help=hidden)
-    p.add_argument("--webui", action="store_true", help=hidden)
 
 
 def check(args: argparse.Namespace) -> list[str]:
@@ -84,8 +82,6 @@ def check(args: argparse.Namespace) -> list[str]:
         refused.append("--no-jinja: chat templates are always rendered with Jinja here")
     if args.mlock:
         refused.append("--mlock: MLX keeps the weights in its own buffers; nothing to lock")
-    if args.webui:
-        refused.append("--webui: this server has no web UI")
     if args.flash_attn not in ("on", "off", "auto", "1", "0", "true", "false"):
         refused.append(f"--flash-attn {args.flash_attn}: expected on, off or auto")
     if refused:

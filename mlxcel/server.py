@@ -111,11 +111,13 @@ async def serve(
     *,
     build_backend: Callable[[], Backend] | None = None,
     stop: trio.Event | None = None,
+    webui: bool = True,
     task_status: trio.TaskStatus[tuple[list[str], ServerContext]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the server until SIGINT/SIGTERM (or ``stop`` is set), then shut down gracefully.
 
-    ``started`` reports the bound addresses once the listener accepts connections.
+    ``started`` reports the bound addresses once the listener accepts connections. ``webui``:
+    browsers get the chat page at ``/`` (``--no-webui`` turns it off).
     """
     build = build_backend or partial(build_mlx_backend, settings)
     aborts = AbortBox()
@@ -221,7 +223,7 @@ async def serve(
         metrics.live.side_jobs = lambda: {
             name: (w.queued, w.working) for name, w in workers.items() if w is not None
         }
-        app = InFlight(create_app(ctx))
+        app = InFlight(create_app(ctx, webui=webui))
         metrics.live.in_flight = lambda: app.active
         http_stop = trio.Event()
         http_done = trio.Event()

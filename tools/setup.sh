@@ -22,6 +22,13 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libopenblas0-pthread >/dev/null
   fi
+  if ! command -v chromium >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"
+    # Debian's Chromium, driven by Playwright in the chat page's tests (tests/e2e/test_webui.py);
+    # Playwright's own browser downloads are not used.
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+  fi
 fi
 
 PY="${PYTHON:-python3}"

@@ -28,6 +28,7 @@ from mlxcel.http import (
     transport,
 )
 from mlxcel.http import realtime as realtime_ws
+from mlxcel.http import webui as webui_page
 from mlxcel.http.context import ServerContext
 from mlxcel.http.errors import (
     Family,
@@ -56,7 +57,7 @@ async def _check_headers() -> None:
     sse.check_conversation_id()
 
 
-def create_app(ctx: ServerContext) -> QuartTrio:
+def create_app(ctx: ServerContext, *, webui: bool = True) -> QuartTrio:
     app = QuartTrio("mlxcel")
     # Keep-alive connections survive answers sent before the body was read, and a body over the
     # limit gets its 413 and a closed connection (see transport.py).
@@ -74,6 +75,10 @@ def create_app(ctx: ServerContext) -> QuartTrio:
     vision = info is not None and info.media is not None
     app.config["MAX_CONTENT_LENGTH"] = media.body_limit(ctx.settings, vision=vision)
     prefix = ctx.settings.api_prefix.rstrip("/") or None
+    if webui:
+        app.config["MLXCEL_WEBUI"] = webui_page.build(
+            api_prefix=prefix or "", keys=bool(ctx.settings.api_keys)
+        )
     security.install(app, ctx.settings)
     app.before_request(_check_headers)
     app.register_blueprint(health.bp, url_prefix=prefix)

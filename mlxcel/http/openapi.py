@@ -112,7 +112,14 @@ NO_BODY = frozenset(
 )
 # Routes that need no API key (security.PUBLIC_PATHS): health, the model list, this document.
 PUBLIC_ENDPOINTS = frozenset(
-    {"health.health", "public_health.health", "openai.models", "openapi.document"}
+    {
+        "health.health",
+        "health.root",
+        "public_health.health",
+        "public_health.root",
+        "openai.models",
+        "openapi.document",
+    }
 )
 
 _PRIMITIVES: dict[Any, dict[str, Any]] = {

@@ -1,7 +1,8 @@
 """``/v1/realtime``: the realtime voice WebSocket (one RealtimeSession actor per connection).
 
 The handshake is checked before the upgrade is accepted, so failures are plain HTTP answers:
-401 without a valid key (``Authorization: Bearer`` or ``X-Api-Key``; a key in the query
+401 without a valid key (``Authorization: Bearer``, ``X-Api-Key``, or from a browser the
+subprotocol ``openai-insecure-api-key.<key>`` next to ``realtime``; a key in the query
 string is refused even when valid, because query strings end up in access logs), 501 when the
 server has no chat model, speech-to-text or text-to-speech. A connection beyond
 ``--realtime-max-sessions`` is accepted, told ``error{code:"server_busy"}`` and closed 1013.
@@ -46,6 +47,11 @@ SPEECH_SHARE = 2
 
 bp = Blueprint("realtime", __name__)
 
+# The subprotocol that carries a browser's API key ("openai-insecure-api-key.<key>"), offered
+# next to "realtime", which the handshake then selects (a browser drops a connection that
+# offered subprotocols and got none back).
+KEY_SUBPROTOCOL = "openai-insecure-api-key."
+
 # Query parameters that carry credentials in other products' WebSocket APIs.
 KEY_PARAMS = frozenset(
     {"api_key", "apikey", "api-key", "key", "token", "access_token", "authorization", "x-api-key"}
@@ -78,11 +84,21 @@ def _gate(ctx: ServerContext) -> SessionGate:
     return gate
 
 
+def _subprotocols() -> list[str]:
+    offered = websocket.headers.get("Sec-WebSocket-Protocol", "")
+    return [p.strip() for p in offered.split(",") if p.strip()]
+
+
 def _presented_key() -> str | None:
     auth = websocket.headers.get("Authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
+    # A browser's WebSocket cannot set headers: it offers the key as a subprotocol, as
+    # OpenAI's browser clients do (a header all the same, so it never reaches an access log).
+    for offered in _subprotocols():
+        if offered.startswith(KEY_SUBPROTOCOL):
+            return offered.removeprefix(KEY_SUBPROTOCOL) or None
     return websocket.headers.get("X-Api-Key") or None
 
 
@@ -139,7 +155,7 @@ async def realtime() -> Response | None:
     ctx = server()
     assert ctx.stt is not None and ctx.tts is not None
     gate = _gate(ctx)
-    await websocket.accept()
+    await websocket.accept(subprotocol="realtime" if "realtime" in _subprotocols() else None)
     if not gate.try_enter():
         busy = {
             "type": "error",

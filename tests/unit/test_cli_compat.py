@@ -47,7 +47,6 @@ def test_a_typical_llama_server_line_starts() -> None:
         (("--no-jinja",), "Jinja"),
         (("--mlock",), "nothing to lock"),
         (("-tb", "2"), "one thread count"),
-        (("--webui",), "no web UI"),
     ],
 )
 def test_flags_asking_for_what_mlx_does_not_do_stop_the_server(
@@ -100,3 +99,26 @@ def test_speculation_flags_as_llama_server_spells_them() -> None:
 def test_speculation_flags_out_of_range_stop_the_server(argv: tuple[str, ...]) -> None:
     with pytest.raises(SystemExit, match=argv[0]):
         settings(*argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "webui"),
+    [
+        ((), {}, True),
+        (("--no-webui",), {}, False),
+        (("--no-ui",), {}, False),  # llama-server's newer spelling
+        ((), {"LLAMA_ARG_UI": "0"}, False),
+        ((), {"LLAMA_ARG_WEBUI": "false"}, False),
+        (("--webui",), {"LLAMA_ARG_UI": "0"}, True),
+    ],
+)
+def test_the_chat_page_is_on_unless_turned_off(
+    argv: tuple[str, ...], env: dict[str, str], webui: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("LLAMA_ARG_UI", "LLAMA_ARG_WEBUI"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    add_serve_flags(p)
+    assert p.parse_args(rewrite(argv)).webui is webui
