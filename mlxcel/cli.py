@@ -308,6 +308,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
             help=f"vision models: {text}",
         )
     opt(
+        "--vision-cache-size",
+        env="LLAMA_ARG_VISION_CACHE_SIZE",
+        type=int,
+        default=d.vision_cache_size,
+        help="vision models: image encodings kept for images sent again (0: none)",
+    )
+    opt(
         "--media-path",
         env="LLAMA_ARG_MEDIA_PATH",
         default=None,
@@ -795,6 +802,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
     checks = {
         "--parallel": args.parallel >= 1,
         "--max-images": args.max_images >= 1,
+        "--vision-cache-size": args.vision_cache_size >= 0,
         "--max-image-payload-size": args.max_image_payload_size >= 1,
         "--max-image-width": args.max_image_width >= 1,
         "--max-image-height": args.max_image_height >= 1,
@@ -877,6 +885,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_image_height=args.max_image_height,
         max_image_decode_alloc=args.max_image_decode_alloc_bytes,
         media_path=Path(args.media_path).resolve() if args.media_path else None,
+        vision_cache_size=args.vision_cache_size,
         context_shift=args.context_shift,
         batch_invariant=args.batch_invariant,
         spec_ngram=args.spec_ngram,

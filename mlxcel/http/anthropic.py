@@ -41,6 +41,7 @@ async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, str]:
         len(ctx.info.tokenizer),
         ctx.settings.reasoning_budget,
         ctx.info.tokenizer,
+        vision=ctx.info.media is not None,
     )
     model = ctx.check_model(req.body.model)
     gen = req.generation

@@ -28,6 +28,7 @@ from mlxcel.runtime.messages import (
     Constraint,
     ForcedToolCall,
     GenerationRequest,
+    ImageRef,
     JsonSchemaFormat,
     SamplingParams,
 )
@@ -114,8 +115,9 @@ def _document(block: dict[str, Any], at: str) -> str:
 
 
 def _readable(block: dict[str, Any], kind: str, at: str) -> str | None:
-    """The text of a text or document block; a 400 for an image (this server serves text
-    models only, and refuses before anything is fetched); None for any other kind."""
+    """The text of a text or document block; a 400 for an image where none is read (a text
+    model, or outside a user turn: refused before anything is fetched); None for any other
+    kind."""
     if kind == "text":
         return _string(block, "text", at)
     if kind == "document":
@@ -143,27 +145,42 @@ def _text_only(content: Any, at: str) -> str:
 class _Turns:
     """Builds the template's message list turn by turn."""
 
-    def __init__(self) -> None:
+    def __init__(self, images: list[ImageRef] | None = None) -> None:
+        # A vision model's image references, in prompt order (None: images are refused).
+        self._images = images
         self.out: list[dict[str, Any]] = []
         self._pending_system: list[str] = []
         # tool_use id -> tool name, so tool messages can carry the name templates print.
         self._names: dict[str, str] = {}
 
     def system(self, text: str) -> None:
-        if self.out and self.out[-1]["role"] == "user":
+        if (
+            self.out
+            and self.out[-1]["role"] == "user"
+            and isinstance(self.out[-1]["content"], list)
+        ):
+            self.out[-1]["content"].append({"type": "text", "text": f"\n\n{text}"})
+        elif self.out and self.out[-1]["role"] == "user":
             self.out[-1]["content"] = f"{self.out[-1]['content']}\n\n{text}"
         else:
             self._pending_system.append(text)
 
     def user(self, content: Any, at: str) -> None:
         texts: list[str] = []
+        # With images: the turn's parts in order, as a VLM chat template renders them.
+        parts: list[dict[str, str]] = []
         results = 0
         for j, block in enumerate(_blocks(content, at)):
             where = f"{at}[{j}]"
             kind = _block_type(block, where)
+            if kind == "image" and self._images is not None:
+                self._images.append(ImageRef(where, _image_url(block, where)))
+                parts.append({"type": "image"})
+                continue
             text = _readable(block, kind, where)
             if text is not None:
                 texts.append(text)
+                parts.append({"type": "text", "text": text})
             elif kind == "tool_result":
                 self.out.append(self._tool_result(block, where))
                 results += 1
@@ -172,11 +189,16 @@ class _Turns:
                     f"{where}: unsupported content block type {kind!r} in a user turn",
                     param=where,
                 )
-        if texts or not results:
-            # Tool results answer the previous assistant turn, so any text follows them.
-            parts = [*self._pending_system, "\n".join(texts)]
+        if any(p["type"] == "image" for p in parts):
+            pending = "\n\n".join(self._pending_system)
             self._pending_system.clear()
-            self.out.append({"role": "user", "content": "\n\n".join(p for p in parts if p)})
+            lead = [{"type": "text", "text": pending}] if pending else []
+            self.out.append({"role": "user", "content": lead + parts})
+        elif texts or not results:
+            # Tool results answer the previous assistant turn, so any text follows them.
+            joined = [*self._pending_system, "\n".join(texts)]
+            self._pending_system.clear()
+            self.out.append({"role": "user", "content": "\n\n".join(p for p in joined if p)})
 
     def _tool_result(self, block: dict[str, Any], at: str) -> dict[str, Any]:
         call_id = _string(block, "tool_use_id", at)
@@ -230,11 +252,26 @@ class _Turns:
         return self.out
 
 
-def _messages(value: Any, system: Any) -> tuple[tuple[dict[str, object], ...], bool]:
-    """The template's messages, and whether the last one is an assistant prefill to continue."""
+def _image_url(block: dict[str, Any], at: str) -> str:
+    """An image block's source as a URL: base64 data as a data URI, or the url given."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source, dict):
+        media_type = _string(source, "media_type", f"{at}.source")
+        return f"data:{media_type};base64,{_string(source, 'data', f'{at}.source')}"
+    if kind == "url" and isinstance(source, dict):
+        return _string(source, "url", f"{at}.source")
+    raise InvalidRequest(f"{at}.source: must be a base64 or url image source", param=f"{at}.source")
+
+
+def _messages(
+    value: Any, system: Any, images: list[ImageRef] | None = None
+) -> tuple[tuple[dict[str, object], ...], bool]:
+    """The template's messages, and whether the last one is an assistant prefill to continue.
+    ``images``: a vision model's image references are added to it (None: images refused)."""
     if not isinstance(value, list) or not value:
         raise InvalidRequest("messages: must be a non-empty list", param="messages")
-    turns = _Turns()
+    turns = _Turns(images)
     if system is not None:
         text = _text_only(system, "system")
         if text:
@@ -452,11 +489,14 @@ def messages_request(
     vocab_size: int | None = None,
     reasoning_budget: int = -1,
     tokenizer: Any = None,
+    vision: bool = False,
 ) -> MessagesRequest:
     """Validate a Messages body (400 naming the field) and convert it for the pipeline;
-    ``tokenizer`` encodes logit_bias keys given as text."""
+    ``tokenizer`` encodes logit_bias keys given as text; ``vision``: image blocks in user
+    turns are read (else refused before anything is fetched)."""
     body = structure(data, MessagesBody)
-    messages, prefill = _messages(body.messages, body.system)
+    images: list[ImageRef] | None = [] if vision else None
+    messages, prefill = _messages(body.messages, body.system, images)
     tools = _tools(body.tools)
     plan = _tool_choice(body.tool_choice, tools)
     kwargs, budget, thinking = _thinking(body.thinking)
@@ -491,5 +531,6 @@ def messages_request(
         parallel_tool_calls=plan.parallel,
         constraint=constraint,
         thinking_budget=budget,
+        images=tuple(images or ()),
     )
     return MessagesRequest(body, generation, thinking)

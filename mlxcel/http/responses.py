@@ -255,7 +255,7 @@ async def create() -> Response:
     body = parse_body(await read_json())
     model = ctx.check_model(body.model)
     store = store_of(ctx)
-    items = input_items(body.input)
+    items = input_items(body.input, vision=ctx.info.media is not None)
     history, conv = await load_history(store, body)
     rid = new_id("resp")
 
@@ -476,7 +476,9 @@ async def input_tokens() -> Response:
     body = parse_body(await read_json())
     ctx.check_model(body.model)
     history, _ = await load_history(store_of(ctx), body)
-    items = input_items(body.input) if body.input is not None else []
+    items = (
+        input_items(body.input, vision=ctx.info.media is not None) if body.input is not None else []
+    )
     gen = generation_request(
         body,
         new_id("resp"),

@@ -26,6 +26,7 @@ from mlxcel.runtime.messages import (
     Constraint,
     ForcedToolCall,
     GenerationRequest,
+    ImageRef,
     JsonObjectFormat,
     JsonSchemaFormat,
     SamplingParams,
@@ -143,16 +144,18 @@ def conversation_id(value: Any) -> str | None:
 # --- input items -------------------------------------------------------------------------------
 
 
-def input_items(value: Any, param: str = "input") -> list[dict[str, Any]]:
-    """The request's input as stored items (each with an id)."""
+def input_items(value: Any, param: str = "input", *, vision: bool = False) -> list[dict[str, Any]]:
+    """The request's input as stored items (each with an id). ``vision``: a user message's
+    ``input_image`` parts are kept (their URLs are read when the request is submitted); else
+    they are refused here, before anything is fetched."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidRequest(f"{param} must be a string or a non-empty list of items", param=param)
-    return [_item(item, f"{param}[{i}]") for i, item in enumerate(value)]
+    return [_item(item, f"{param}[{i}]", vision) for i, item in enumerate(value)]
 
 
-def _item(item: Any, at: str) -> dict[str, Any]:
+def _item(item: Any, at: str, vision: bool = False) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise InvalidRequest(f"{at} must be an object", param=at)
     kind = item.get("type", "message" if "role" in item else None)
@@ -161,7 +164,7 @@ def _item(item: Any, at: str) -> dict[str, Any]:
     if item.get("id") is not None and not isinstance(item["id"], str):
         raise InvalidRequest(f"{at}.id must be a string", param=f"{at}.id")
     if kind == "message":
-        return _message_item(item, at)
+        return _message_item(item, at, vision)
     if kind == "function_call":
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
@@ -209,24 +212,71 @@ def _item(item: Any, at: str) -> dict[str, Any]:
     )
 
 
-def _message_item(item: Any, at: str) -> dict[str, Any]:
+def _message_item(item: Any, at: str, vision: bool = False) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequest(
             f"{at}.role must be user, system, developer or assistant", param=f"{at}.role"
         )
-    text = _parts_text(item.get("content"), f"{at}.content")
-    part = "output_text" if role == "assistant" else "input_text"
-    content: dict[str, Any] = {"type": part, "text": text}
-    if part == "output_text":
-        content["annotations"] = []
+    if vision and role == "user" and isinstance(item.get("content"), list):
+        parts = _user_parts(item["content"], f"{at}.content")
+    else:
+        text = _parts_text(item.get("content"), f"{at}.content")
+        part = "output_text" if role == "assistant" else "input_text"
+        parts = [{"type": part, "text": text}]
+        if part == "output_text":
+            parts[0]["annotations"] = []
     return {
         "id": item.get("id") or new_id("msg"),
         "type": "message",
         "role": role,
-        "content": [content],
+        "content": parts,
         "status": "completed",
     }
+
+
+def _user_parts(content: list[Any], at: str) -> list[dict[str, Any]]:
+    """A user message's text and images, in order, as stored (``input_text`` parts joined as
+    they come, each ``input_image`` on its own, with its URL: a data URI, http(s), a path)."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "image_url"):
+            value = part.get("image_url")
+            url = value.get("url") if isinstance(value, dict) else value
+            if not isinstance(url, str) or not url:
+                detail = "a file_id (there is no uploads store here)" if part.get("file_id") else ""
+                raise InvalidRequest(
+                    f"{at}[{j}].image_url must be a non-empty URL"
+                    + (f", not {detail}" if detail else ""),
+                    param=f"{at}[{j}]",
+                )
+            parts.append(
+                {"type": "input_image", "image_url": url, "detail": part.get("detail") or "auto"}
+            )
+            continue
+        text = _parts_text([part], f"{at}[{j}]")
+        if parts and parts[-1]["type"] == "input_text":
+            parts[-1]["text"] += "\n" + text
+        else:
+            parts.append({"type": "input_text", "text": text})
+    return parts or [{"type": "input_text", "text": ""}]
+
+
+def message_text(item: dict[str, Any]) -> str:
+    """A stored message's text (its text parts joined)."""
+    return "\n".join(p["text"] for p in item["content"] if "text" in p)
+
+
+def chat_images(items: list[dict[str, Any]]) -> tuple[ImageRef, ...]:
+    """The images of ``items``' user messages in prompt order, named by item and part."""
+    return tuple(
+        ImageRef(f"{item['id']}.content[{j}]", part["image_url"])
+        for item in items
+        if item["type"] == "message"
+        for j, part in enumerate(item["content"])
+        if part["type"] == "input_image"
+    )
 
 
 def _parts_text(content: Any, at: str) -> str:
@@ -273,10 +323,19 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, object]]:
             reasoning.extend(p["text"] for p in item["content"])
         elif kind == "message" and item["role"] == "assistant":
             msg = assistant()
-            msg["content"] = str(msg["content"]) + item["content"][0]["text"]
+            msg["content"] = str(msg["content"]) + message_text(item)
+        elif kind == "message" and any(p["type"] == "input_image" for p in item["content"]):
+            # The parts a VLM chat template renders, images where they were.
+            parts = [
+                {"type": "image"}
+                if p["type"] == "input_image"
+                else {"type": "text", "text": p["text"]}
+                for p in item["content"]
+            ]
+            out.append({"role": item["role"], "content": parts})
         elif kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            out.append({"role": role, "content": item["content"][0]["text"]})
+            out.append({"role": role, "content": message_text(item)})
         elif kind == "function_call":
             msg = assistant()
             calls = msg.setdefault("tool_calls", [])
@@ -450,4 +509,5 @@ def generation_request(
         parallel_tool_calls=body.parallel_tool_calls and body.max_tool_calls != 1,
         constraint=forced or text_format,
         thinking_budget=budget,
+        images=chat_images(history),
     )

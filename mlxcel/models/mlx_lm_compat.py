@@ -327,15 +327,15 @@ _PRIVATE_ROW_LISTS = ("_next_logprobs", "_token_context", "_num_tokens", "_match
 
 
 def place_rows(batch: Any, rows: list[int], source: Any) -> None:
-    """Every row of ``source`` (a generation batch) takes the place of ``batch``'s row
-    ``rows[i]``, for everything but the KV cache (``write_kv_rows``). The step's current
-    tokens and distributions are not touched: the next step replaces them whole."""
+    """The first ``len(rows)`` rows of ``source`` (a generation batch) take the places of
+    ``batch``'s rows ``rows``, for everything but the KV cache (``write_kv_rows``). The step's
+    current tokens and distributions are not touched: the next step replaces them whole."""
     for name in _ROW_LISTS + _PRIVATE_ROW_LISTS:
         mine, theirs = getattr(batch, name), getattr(source, name)
-        for row, value in zip(rows, theirs, strict=True):
+        for row, value in zip(rows, theirs, strict=False):
             mine[row] = value
     pending = batch._next_tokens
-    pending[mx.array(rows)] = source._next_tokens.astype(pending.dtype)
+    pending[mx.array(rows)] = source._next_tokens[: len(rows)].astype(pending.dtype)
     batch._next_tokens = pending
 
 
@@ -355,7 +355,7 @@ def kv_rows_fit(caches: list[Any], others: list[Any]) -> bool:
 
 
 def write_kv_rows(cache: Any, rows: list[int], other: Any) -> None:
-    """Write every row of ``other`` into ``cache``'s row ``rows[i]``, right-aligned at the
+    """Write ``other``'s first rows into ``cache``'s rows ``rows``, right-aligned at the
     batch's write position as ``extend`` aligns them. Positions left of a row's keys keep what
     the row's previous owner left there; its left padding masks them, as it masks the zeros
     ``extend`` writes. The buffer is written in place (mlx donates it: nothing else holds it,

@@ -84,7 +84,32 @@ def _plan(pads: list[int], kv_len: int) -> tuple[Group, ...] | None:
         ranges[r : r + 1] = [(a, c), (c, b)]
     if len(ranges) == 1:
         return None
-    return tuple(Group(tuple(sorted(order[a:b])), kv_len - lengths[b - 1]) for a, b in ranges)
+    groups = tuple(Group(tuple(sorted(order[a:b])), kv_len - lengths[b - 1]) for a, b in ranges)
+    # What each group reads, in key positions (``_cost``), against the padded batch's: when
+    # rows of similar length sit apart (row reuse puts a joining row wherever a hole was),
+    # their groups are no longer runs of neighbours, and the cut may not pay any more.
+    saved = len(pads) * kv_len - sum(_cost(g, kv_len) for g in groups)
+    if saved <= OVERHEAD_KEYS * (len(groups) - 1):
+        return None
+    return groups
+
+
+def _span(rows: tuple[int, ...]) -> int:
+    return rows[-1] - rows[0] + 1
+
+
+def _gathers(rows: tuple[int, ...]) -> bool:
+    """Whether a group's rows are gathered (copied, then read: three passes over their keys)
+    rather than read as the slice of neighbours that spans them (rows between computed for
+    nothing, but no copy)."""
+    return _span(rows) > 3 * len(rows)
+
+
+def _cost(group: Group, kv_len: int) -> int:
+    length = kv_len - group.start
+    if _gathers(group.rows):
+        return 3 * len(group.rows) * length
+    return _span(group.rows) * length
 
 
 def attend_grouped(
@@ -100,22 +125,21 @@ def attend_grouped(
     batch = queries.shape[0]
     outs = []
     for g in groups:
-        rows = _rows(g.rows)
+        rows, pick = _rows(g.rows)
         m = mask
         if isinstance(mask, mx.array):
             if mask.shape[0] == batch and batch > 1:
                 m = m[rows]
             m = m[..., g.start :]
         # "causal" and None stay: the queries are the last positions, aligned bottom-right.
-        outs.append(
-            attend(
-                queries[rows],
-                keys[rows, :, g.start :],
-                values[rows, :, g.start :],
-                mask=m,
-                **kwargs,
-            )
+        out = attend(
+            queries[rows],
+            keys[rows, :, g.start :],
+            values[rows, :, g.start :],
+            mask=m,
+            **kwargs,
         )
+        outs.append(out if pick is None else out[pick])
     out = mx.concatenate(outs, axis=0)
     order = [i for g in groups for i in g.rows]
     if order == list(range(batch)):
@@ -126,8 +150,13 @@ def attend_grouped(
     return out[mx.array(inverse)]
 
 
-def _rows(rows: tuple[int, ...]) -> slice | mx.array:
-    """A slice when the rows are consecutive (a view, no gather), else an index array."""
-    if rows[-1] - rows[0] + 1 == len(rows):
-        return slice(rows[0], rows[-1] + 1)
-    return mx.array(rows)
+def _rows(rows: tuple[int, ...]) -> tuple[slice | mx.array, mx.array | None]:
+    """How a group reads its rows: a slice of neighbours (a view, no copy), with the group's
+    own rows picked out of its result when the slice spans others; or, when the rows are
+    too far apart for that to pay, an index array (a gather)."""
+    if _gathers(rows):
+        return mx.array(rows), None
+    span = slice(rows[0], rows[-1] + 1)
+    if _span(rows) == len(rows):
+        return span, None
+    return span, mx.array([r - rows[0] for r in rows])

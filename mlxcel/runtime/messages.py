@@ -386,6 +386,9 @@ class CacheStats:
     # mlx's allocator keeps for reuse.
     mlx_active: int = 0
     mlx_cached: int = 0
+    # The vision cache (--vision-cache-size): image encodings reused and computed.
+    vision_hits: int = 0
+    vision_misses: int = 0
 
 
 # --- scheduler -> http (statistics) -----------------------------------------------------------

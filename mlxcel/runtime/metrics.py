@@ -94,6 +94,16 @@ class _Live(Collector):
         yield GaugeMetricFamily(
             "mlxcel_prompt_cache_bytes", "Bytes held by the prompt cache.", value=s.nbytes
         )
+        yield CounterMetricFamily(
+            "mlxcel_vision_cache_hits",
+            "Images whose encoding came from the vision cache (vision models).",
+            value=s.vision_hits,
+        )
+        yield CounterMetricFamily(
+            "mlxcel_vision_cache_misses",
+            "Images the vision tower encoded (vision models).",
+            value=s.vision_misses,
+        )
         yield GaugeMetricFamily(
             "mlxcel_prompt_cache_entries", "Entries in the prompt cache.", value=s.entries
         )

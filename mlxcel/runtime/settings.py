@@ -90,6 +90,8 @@ class Settings:
     max_image_height: int = 16_384
     max_image_decode_alloc: int = 512 * 1024 * 1024
     media_path: Path | None = None
+    # Image encodings kept for images sent again (--vision-cache-size; 0: none).
+    vision_cache_size: int = 20
     # llama-server's --context-shift (off by default, as there): a sequence that fills its
     # context drops its oldest tokens after n_keep and goes on instead of stopping.
     context_shift: bool = False

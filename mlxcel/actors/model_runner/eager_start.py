@@ -161,19 +161,24 @@ class PrimedGenerationBatch(GenerationBatch):
 
     def extend(self, batch: Any) -> None:
         n = len(batch.uids)
-        starts = getattr(batch, "_starts", [NORMAL] * n)
-        if n and self.uids and len(self._holes) >= n:
+        starts = list(getattr(batch, "_starts", [NORMAL] * n))
+        if n and self.uids and self._holes:
             if compat.kv_rows_fit(self.prompt_cache, batch.prompt_cache):
                 rows = sorted(self._holes)[:n]
                 compat.place_rows(self, rows, batch)
                 for cache, theirs in zip(self.prompt_cache, batch.prompt_cache, strict=True):
                     compat.write_kv_rows(cache, rows, theirs)
-                for row, start in zip(rows, starts, strict=True):
+                for row, start in zip(rows, starts, strict=False):
                     self._starts[row] = start
                 self._holes.difference_update(rows)
-                self.reused_rows += n
+                self.reused_rows += len(rows)
                 self._settle_hole_samplers()
-                return
+                if len(rows) == n:
+                    return
+                # More joined than there were holes: the rest go on the end (mlx-lm's way,
+                # one copy of the batch), taken out of the joining batch first.
+                GenerationBatch.filter(batch, list(range(len(rows), n)))
+                starts = starts[len(rows) :]
         super().extend(batch)
         self._starts.extend(starts)
         self._settle_hole_samplers()

@@ -28,7 +28,7 @@ from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.model_runner.speculative_batch import Speculation, SpeculativeGenerationBatch
 from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.models import device, fast_lm, mlx_lm_compat
+from mlxcel.models import device, fast_lm, mlx_lm_compat, vision_cache
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -63,6 +63,11 @@ class MlxBackend:
         """``draft``: the ``--model-draft`` model, loaded (its tokenizer must be the model's)."""
         self._loaded = loaded
         self._vision = loaded.vision
+        self._tower = (
+            vision_cache.install(loaded.vision.model, settings.vision_cache_size)
+            if loaded.vision is not None
+            else None
+        )
         ctx = settings.ctx_size or loaded.context_length
         self.info = ModelInfo(
             model_id=settings.alias or loaded.model_id,
@@ -361,8 +366,13 @@ class MlxBackend:
 
     def _stats(self) -> CacheStats:
         stats = self._cache.stats() if self._cache is not None else CacheStats()
+        tower = self._tower
         return attrs.evolve(
-            stats, mlx_active=mx.get_active_memory(), mlx_cached=mx.get_cache_memory()
+            stats,
+            mlx_active=mx.get_active_memory(),
+            mlx_cached=mx.get_cache_memory(),
+            vision_hits=tower.hits if tower is not None else 0,
+            vision_misses=tower.misses if tower is not None else 0,
         )
 
     def _insert(self, inserts: tuple[InsertSequence, ...]) -> tuple[tuple[str, int], ...]:
