@@ -28,6 +28,7 @@ from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
     GenerationRequest,
+    ImageRef,
     Prompt,
     TextPrompt,
     TokensPrompt,
@@ -122,34 +123,64 @@ def _input_extra(value: Any) -> list[tuple[str, str]]:
 MAX_PROMPTS = 64
 
 
-def _prompts(value: Any, tok: Any) -> list[Prompt]:
+# A prompt and the images its media markers stand for.
+Prompted = tuple[Prompt, tuple[ImageRef, ...]]
+# llama.cpp's default media marker (mtmd): one per image in a prompt string.
+MEDIA_MARKER = "<__media__>"
+
+
+def _prompts(value: Any, tok: Any, media: Any = None) -> list[Prompted]:
     """llama-server's prompt forms: one prompt (a string, token ids, or ids mixed with
-    strings), or a list of such prompts, one result each."""
+    strings, or ``{prompt_string, multimodal_data}``), or a list of such prompts, one result
+    each. ``media``: a vision model's processor (None: images are refused)."""
     if isinstance(value, list) and value and not all(is_int(v) for v in value):
         if not is_mixed(value):
             if len(value) > MAX_PROMPTS:
                 raise InvalidRequest(f"prompt takes at most {MAX_PROMPTS} prompts", param="prompt")
-            return [_one_prompt(v, tok, f"prompt[{i}]") for i, v in enumerate(value)]
-    return [_one_prompt(value, tok, "prompt")]
+            return [_one_prompt(v, tok, f"prompt[{i}]", media) for i, v in enumerate(value)]
+    return [_one_prompt(value, tok, "prompt", media)]
 
 
-def _one_prompt(value: Any, tok: Any, where: str) -> Prompt:
+def _multimodal(value: dict[str, Any], where: str, media: Any) -> Prompted:
+    """``{prompt_string, multimodal_data}``: each ``<__media__>`` in the string is one image
+    of ``multimodal_data`` (base64), in order, as in llama-server; the marker becomes what the
+    model's chat template writes for an image."""
+    text, data = value.get("prompt_string"), value.get("multimodal_data")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{where}.prompt_string must be a string", param="prompt")
+    if media is None:
+        raise InvalidRequest(
+            f"{where}.multimodal_data: image input is not supported", param="prompt"
+        )
+    if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
+        raise InvalidRequest(
+            f"{where}.multimodal_data must be a list of base64 strings", param="prompt"
+        )
+    if text.count(MEDIA_MARKER) != len(data):
+        raise InvalidRequest(
+            f"{where}: {len(data)} multimodal_data entries but {text.count(MEDIA_MARKER)} "
+            f"{MEDIA_MARKER} markers in prompt_string: each image needs its marker",
+            param="prompt",
+        )
+    images = tuple(
+        ImageRef(f"{where}.multimodal_data[{i}]", f"data:application/octet-stream;base64,{d}")
+        for i, d in enumerate(data)
+    )
+    return TextPrompt(text=text.replace(MEDIA_MARKER, media.image_marker)), images
+
+
+def _one_prompt(value: Any, tok: Any, where: str, media: Any = None) -> Prompted:
     if isinstance(value, dict):
-        # llama-server's object prompt: {"prompt_string", "multimodal_data"}; text models only.
         if value.get("multimodal_data"):
-            raise InvalidRequest(
-                f"{where}.multimodal_data: image input is not supported: this server serves "
-                "text models",
-                param="prompt",
-            )
+            return _multimodal(value, where, media)
         value = value.get("prompt_string")
         if not isinstance(value, str):
             raise InvalidRequest(f"{where}.prompt_string must be a string", param="prompt")
     if isinstance(value, str):
-        return TextPrompt(text=value)
+        return TextPrompt(text=value), ()
     if isinstance(value, list):
         ids = encode_mixed(value, tok) if is_mixed(value) else value
-        return TokensPrompt(tokens=token_ids(ids, len(tok), "prompt"))
+        return TokensPrompt(tokens=token_ids(ids, len(tok), "prompt")), ()
     raise InvalidRequest(
         f"{where} must be a string or a list of token ids (strings may be mixed in)",
         param="prompt",
@@ -309,13 +340,21 @@ def _prompt_text(prompt: Prompt) -> str:
     return str(tok.decode(list(prompt.tokens))) if isinstance(prompt, TokensPrompt) else ""
 
 
-async def _run(body: NativeCompletionBody, prompts: list[Prompt]) -> Response:
+async def _run(body: NativeCompletionBody, prompts: list[Prompted]) -> Response:
     ctx = server()
     ctx.check_model(body.model)
     asked = _n_predict(body)
     cap = ctx.settings.n_predict
     reported = cap if asked is None or asked < 0 else min(asked, cap) if cap > 0 else asked
-    calls = [_Call(body, _request(body, p, asked), _prompt_text(p), reported) for p in prompts]
+    calls = [
+        _Call(
+            body,
+            attrs.evolve(_request(body, p, asked), images=images),
+            _prompt_text(p),
+            reported,
+        )
+        for p, images in prompts
+    ]
     # Each prompt is its own generation, all submitted before any is read (a slot keeps its
     # output until read); results come in prompt order, each with its index.
     slots: list[OutputSlot] = []
@@ -443,7 +482,8 @@ def _stream(ctx: ServerContext, runs: list[tuple[_Call, OutputSlot]]) -> Respons
 @bp.post("/completions")
 async def completion() -> Response:
     body = structure(await read_json(), NativeCompletionBody)
-    return await _run(body, _prompts(body.prompt, server().info.tokenizer))
+    info = server().info
+    return await _run(body, _prompts(body.prompt, info.tokenizer, info.media))
 
 
 @bp.post("/infill")
@@ -464,4 +504,4 @@ async def infill() -> Response:
     ids += [*tok.encode(body.input_suffix, add_special_tokens=False), mid]
     prompt_text = body.prompt if isinstance(body.prompt, str) else ""
     ids += tok.encode(prompt_text, add_special_tokens=False)
-    return await _run(body, [TokensPrompt(tokens=tuple(ids))])
+    return await _run(body, [(TokensPrompt(tokens=tuple(ids)), ())])

@@ -74,6 +74,7 @@ class MediaProcessor:
         self._processor = processor
         self.image_token_id = image_token_id
         self.family = family
+        self.image_marker = _image_marker(processor)
 
     def prepare(self, prompt: str, images: list[Any]) -> PreparedImages:
         out = self._processor(text=[prompt], images=images, return_tensors="np")
@@ -87,6 +88,29 @@ class MediaProcessor:
             extras=tuple(sorted(arrays.items())),
             image_tokens=int((ids == self.image_token_id).sum()),
         )
+
+
+def _image_marker(processor: Any) -> str:
+    """What the chat template writes for one image (what a raw prompt's ``<__media__>``
+    becomes): the text between two text parts around an image part; the processor's own
+    image token when the template cannot say."""
+    before, after = "\u2063A\u2063", "\u2063B\u2063"
+    parts = [
+        {"type": "text", "text": before},
+        {"type": "image"},
+        {"type": "text", "text": after},
+    ]
+    try:
+        text = processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": parts}], tokenize=False
+        )
+        start = text.index(before) + len(before)
+        marker = str(text[start : text.index(after, start)])
+        if marker.strip():
+            return marker
+    except Exception:  # noqa: BLE001  # a template without parts: fall back below
+        pass
+    return str(getattr(processor, "image_token", "<image>"))
 
 
 class LanguageModel:

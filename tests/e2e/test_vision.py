@@ -103,22 +103,27 @@ def test_the_answer_is_mlx_vlm_s_own(vlm: Vlm) -> None:
 
 def test_the_image_decides_and_an_image_sent_again_is_not_encoded_again(vlm: Vlm) -> None:
     def vision_cache() -> tuple[float, float]:
-        text = httpx.get(f"{vlm.server.base_url}/metrics").text
+        base = vlm.server.base_url
         return (
-            sample(text, "mlxcel_vision_cache_hits_total") or 0.0,
-            sample(text, "mlxcel_vision_cache_misses_total") or 0.0,
+            sample(base, "mlxcel_vision_cache_hits_total") or 0.0,
+            sample(base, "mlxcel_vision_cache_misses_total") or 0.0,
         )
 
+    def answer(*parts: dict[str, Any]) -> tuple[str, list[float]]:
+        # The tiny models' answers barely depend on the picture: the log-probabilities do.
+        choice = vlm.ask(*parts, max_tokens=4, logprobs=True).choices[0]
+        return choice.message.content, [t.logprob for t in choice.logprobs.content]
+
     hits, misses = vision_cache()
-    first = vlm.ask(image_part(noise(10)), TEXT, max_tokens=8).choices[0].message.content
+    first = answer(image_part(noise(10)), TEXT)
     assert vision_cache() == (hits, misses + 1)
-    again = vlm.ask(image_part(noise(10)), TEXT, max_tokens=8).choices[0].message.content
+    again = answer(image_part(noise(10)), TEXT)
     assert vision_cache() == (hits + 1, misses + 1)
     assert again == first
-    other = vlm.ask(image_part(noise(11)), TEXT, max_tokens=8).choices[0].message.content
-    assert other != first
-    text_only = vlm.ask(TEXT, max_tokens=8)
-    assert text_only.choices[0].message.content not in (first, other)
+    other = answer(image_part(noise(11)), TEXT)
+    assert other[1][0] != pytest.approx(first[1][0], abs=1e-5)
+    text_only = answer(TEXT)
+    assert text_only[1][0] != pytest.approx(first[1][0], abs=1e-5)
 
 
 def test_images_count_in_usage(vlm: Vlm) -> None:
@@ -222,3 +227,118 @@ def test_a_text_model_refuses_images_before_reading_them(tiny_server: ServerProc
     assert time.monotonic() - tic < 2
     props = httpx.get(f"{tiny_server.base_url}/props").json()
     assert props["modalities"]["vision"] is False
+
+
+def test_anthropic_image_blocks_read_as_chat_parts(vlm: Vlm) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=vlm.server.base_url, api_key="unused", max_retries=0)
+    image = noise(30)
+    data = base64.b64encode(png(image)).decode()
+    blocks: list[Any] = [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+        {"type": "text", "text": QUESTION},
+    ]
+    message = client.messages.create(
+        model="any",
+        max_tokens=6,
+        messages=[{"role": "user", "content": blocks}],
+        extra_body={"temperature": 0},
+    )
+    chat = vlm.ask(image_part(image), TEXT)
+    assert message.content[0].text == chat.choices[0].message.content  # type: ignore[union-attr]
+    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    # A url source: here a file under --media-path.
+    by_url = client.messages.create(
+        model="any",
+        max_tokens=1,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "url", "url": str(vlm.media / "one.png")}},
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
+    assert by_url.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        client.messages.create(
+            model="any",
+            max_tokens=1,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "@@"},
+                        },
+                    ],
+                }
+            ],
+        )
+    assert "messages[0].content[0]" in str(raised.value)
+
+
+def test_responses_input_image_and_a_chained_turn(vlm: Vlm) -> None:
+    image = noise(40)
+    uri = image_part(image)["image_url"]["url"]
+    first = vlm.client.responses.create(
+        model="any",
+        temperature=0,
+        max_output_tokens=6,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": uri, "detail": "auto"},
+                    {"type": "input_text", "text": QUESTION},
+                ],
+            }
+        ],
+    )
+    chat = vlm.ask(image_part(image), TEXT)
+    assert first.output_text == chat.choices[0].message.content
+    assert first.usage is not None and first.usage.input_tokens == chat.usage.prompt_tokens
+    # The next turn carries the image along (previous_response_id): it is read again, from
+    # the vision cache.
+    hits = sample(vlm.server.base_url, "mlxcel_vision_cache_hits_total") or 0.0
+    second = vlm.client.responses.create(
+        model="any",
+        max_output_tokens=2,
+        previous_response_id=first.id,
+        input="And the colours?",
+    )
+    assert second.usage is not None and second.usage.input_tokens > first.usage.input_tokens
+    assert (sample(vlm.server.base_url, "mlxcel_vision_cache_hits_total") or 0.0) == hits + 1
+
+
+def test_native_completion_multimodal_data(vlm: Vlm) -> None:
+    """llama-server's ``{prompt_string, multimodal_data}``: each ``<__media__>`` marker is one
+    base64 image; the answer is the chat route's for the same rendered prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(vlm.folder))
+    parts = [{"type": "image"}, {"type": "text", "text": QUESTION}]
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+    marker = (
+        "<|vision_start|><|image_pad|><|vision_end|>" if vlm.family == "qwen2_vl" else "<image>"
+    )
+    assert rendered.count(marker) == 1
+    image = noise(50)
+    data = base64.b64encode(png(image)).decode()
+    prompt = {"prompt_string": rendered.replace(marker, "<__media__>"), "multimodal_data": [data]}
+    url = f"{vlm.server.base_url}/completion"
+    r = httpx.post(url, json={"prompt": prompt, "n_predict": 6, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    chat = vlm.ask(image_part(image), TEXT)
+    assert r.json()["content"] == chat.choices[0].message.content
+    assert r.json()["tokens_evaluated"] == chat.usage.prompt_tokens
+    two = {**prompt, "multimodal_data": [data, data]}
+    bad = httpx.post(url, json={"prompt": two, "n_predict": 1}, timeout=60)
+    assert bad.status_code == 400
+    assert "markers" in bad.json()["error"]["message"]
