@@ -314,6 +314,22 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=d.vision_cache_size,
         help="vision models: image encodings kept for images sent again (0: none)",
     )
+    p.add_argument(
+        "--enable-vlm-prefix-cache",
+        dest="vlm_prefix_cache",
+        action="store_true",
+        default=_env_bool("LLAMA_ARG_ENABLE_VLM_PREFIX_CACHE", False),
+        help="vision models: let image prompts share the prompt cache, keyed by their images "
+        "too (env: LLAMA_ARG_ENABLE_VLM_PREFIX_CACHE)",
+    )
+    p.add_argument(
+        "--no-audio-input",
+        dest="audio_input",
+        action="store_false",
+        default=_env_bool("MLXCEL_AUDIO_INPUT", True),
+        help="refuse input_audio parts on chat instead of transcribing them into the prompt "
+        "with the speech-to-text model (env: MLXCEL_AUDIO_INPUT)",
+    )
     opt(
         "--media-path",
         env="LLAMA_ARG_MEDIA_PATH",
@@ -886,6 +902,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_image_decode_alloc=args.max_image_decode_alloc_bytes,
         media_path=Path(args.media_path).resolve() if args.media_path else None,
         vision_cache_size=args.vision_cache_size,
+        audio_input=args.audio_input,
+        vlm_prefix_cache=args.vlm_prefix_cache,
         context_shift=args.context_shift,
         batch_invariant=args.batch_invariant,
         spec_ngram=args.spec_ngram,

@@ -19,7 +19,7 @@ import attrs
 import trio
 from quart import Blueprint, Response, request
 
-from mlxcel.http import logprobs, media, slot_wire, sse
+from mlxcel.http import heard, logprobs, media, slot_wire, sse
 from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.audio import audio_model_entries
 from mlxcel.http.chat_render import Collected, message, stream_choices
@@ -101,6 +101,7 @@ async def start_generation(
         )
     gen = slot_wire.resolve(gen, parallel=ctx.settings.parallel, n_keep=ctx.settings.n_keep)
     gen = await media.resolve(gen, ctx.settings)
+    gen = await heard.transcribe_parts(gen, ctx.stt)
     slot = ctx.pipeline.submit(gen)
     if progress:
         slot.track_progress()
@@ -196,6 +197,7 @@ async def chat_completions() -> Response:
         reasoning_budget=ctx.settings.reasoning_budget,
         tokenizer=ctx.info.tokenizer,
         vision=ctx.info.media is not None,
+        hears=ctx.stt is not None and ctx.settings.audio_input,
     )
     model = ctx.check_model(body.model)
     if body.reasoning_control:

@@ -15,6 +15,7 @@ from mlxcel.runtime import json_input
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
 from mlxcel.runtime.messages import (
+    AudioRef,
     ChatPrompt,
     ForcedToolCall,
     GenerationRequest,
@@ -210,12 +211,39 @@ def cache_key(body: ChatCompletionBody | CompletionBody) -> str | None:
     return body.prompt_cache_key or body.user or ""
 
 
+@attrs.define
+class Media:
+    """What a chat request's parts may carry, and what they carried: images for a vision
+    model (None: refused), audio for a server that transcribes it (None: refused)."""
+
+    images: list[ImageRef] | None = None
+    audio: list[AudioRef] | None = None
+
+
+def _audio_part(part: dict[str, Any], at: str, audio: list[AudioRef]) -> str:
+    """An ``input_audio`` part: its reference, and the placeholder its transcript replaces."""
+    value = part.get("input_audio")
+    data = value.get("data") if isinstance(value, dict) else None
+    fmt = value.get("format", "wav") if isinstance(value, dict) else None
+    if not isinstance(data, str) or not data:
+        raise InvalidRequest(f"{at}.input_audio.data must be base64 audio", param=at)
+    if fmt not in ("wav", "mp3", "flac", "ogg", "webm", "m4a"):
+        raise InvalidRequest(
+            f"{at}.input_audio.format must be wav, mp3, flac, ogg, webm or m4a", param=at
+        )
+    placeholder = f"\ue000audio{len(audio)}\ue000"
+    audio.append(AudioRef(at, data, fmt, placeholder))
+    return placeholder
+
+
 def _content(
-    content: Any, where: str, images: list[ImageRef] | None = None
+    content: Any, where: str, given: list[ImageRef] | Media | None = None
 ) -> str | list[dict[str, str]] | None:
     """The message's text; with ``images`` (a vision model: None refuses image parts before
     anything is read), a message with images becomes the parts a VLM chat template renders,
     text and ``{"type": "image"}`` in order, and each image's reference is added to them."""
+    media = given if isinstance(given, Media) else Media(images=given)
+    images = media.images
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -233,6 +261,8 @@ def _content(
         elif kind == "image_url" and images is not None:
             images.append(ImageRef(at, _image_url(part, at)))
             parts.append({"type": "image"})
+        elif kind == "input_audio" and media.audio is not None:
+            parts.append({"type": "text", "text": _audio_part(part, at, media.audio)})
         elif kind in MEDIA_PARTS:
             raise InvalidRequest(f"{MEDIA_PARTS[kind]} input is not supported", param=at)
         else:
@@ -278,7 +308,7 @@ def _template_call(call: Any, at: str) -> Any:
     return call
 
 
-def _messages(value: Any, images: list[ImageRef] | None = None) -> tuple[dict[str, object], ...]:
+def _messages(value: Any, media: Media | None = None) -> tuple[dict[str, object], ...]:
     if not isinstance(value, list) or not value:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
     out = []
@@ -298,7 +328,7 @@ def _messages(value: Any, images: list[ImageRef] | None = None) -> tuple[dict[st
                 _template_call(c, f"{at}.tool_calls[{j}]") for j, c in enumerate(msg["tool_calls"])
             ]
         rendered["role"] = "system" if role == "developer" else role
-        rendered["content"] = _content(msg.get("content"), f"{at}.content", images) or ""
+        rendered["content"] = _content(msg.get("content"), f"{at}.content", media) or ""
         out.append(rendered)
     if len(out) >= 2 and out[-1]["role"] == out[-2]["role"] == "assistant":
         # One trailing assistant message is a prefill to continue; two are no conversation.
@@ -391,11 +421,13 @@ def chat_request(
     reasoning_budget: int = -1,
     tokenizer: Any = None,
     vision: bool = False,
+    hears: bool = False,
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     """``vision``: the model takes images (else an image part is refused, before any URL is
-    read: the contract's media guard)."""
+    read: the contract's media guard); ``hears``: audio parts are transcribed into the
+    prompt (else refused)."""
     body = structure(flatten_extra_body(data), ChatCompletionBody)
-    images: list[ImageRef] | None = [] if vision else None
+    media = Media(images=[] if vision else None, audio=[] if hears else None)
     _check_openai_extras(body)
     _check_stream_options(body)
     max_tokens = _length(body, ("max_completion_tokens", "max_tokens", "n_predict"))
@@ -409,7 +441,7 @@ def chat_request(
     request = GenerationRequest(
         request_id=new_id("chatcmpl"),
         prompt=ChatPrompt(
-            messages=_messages(body.messages, images),
+            messages=_messages(body.messages, media),
             tools=tools,
             template_kwargs=_template_kwargs(body),
         ),
@@ -428,7 +460,8 @@ def chat_request(
             {f: getattr(body, f) for f in structured_wire.BUDGET_FIELDS}, reasoning_budget
         ),
         loop_limit=loop_limit(body),
-        images=tuple(images or ()),
+        images=tuple(media.images or ()),
+        audio=tuple(media.audio or ()),
         **slot_options(body),
     )
     return body, request

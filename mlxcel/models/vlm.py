@@ -22,6 +22,7 @@ hands the language model explicit position ids built from the offsets.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -62,8 +63,11 @@ class PreparedImages:
     pixel_values: np.ndarray
     # The family's extras (image_grid_thw, pixel_attention_mask, ...), as numpy arrays.
     extras: tuple[tuple[str, np.ndarray], ...] = ()
-    # How many of ``tokens`` are image tokens.
+    # How many of ``tokens`` are image tokens, and where the last one is (-1: none).
     image_tokens: int = 0
+    last_image_token: int = -1
+    # A digest of the pixels (and the family's grids): the images' identity, for caching.
+    digest: str = ""
 
 
 class MediaProcessor:
@@ -82,11 +86,19 @@ class MediaProcessor:
         ids = arrays.pop("input_ids")[0].astype(np.int64)
         arrays.pop("attention_mask", None)
         pixels = arrays.pop("pixel_values")
+        extras = tuple(sorted(arrays.items()))
+        digest = hashlib.sha256()
+        for name, array in (("pixel_values", pixels), *extras):
+            digest.update(f"{name}{array.dtype}{array.shape}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        where = np.flatnonzero(ids == self.image_token_id)
         return PreparedImages(
             tokens=tuple(int(t) for t in ids),
             pixel_values=pixels,
-            extras=tuple(sorted(arrays.items())),
-            image_tokens=int((ids == self.image_token_id).sum()),
+            extras=extras,
+            image_tokens=int(where.size),
+            last_image_token=int(where[-1]) if where.size else -1,
+            digest=digest.hexdigest(),
         )
 
 

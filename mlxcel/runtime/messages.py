@@ -65,6 +65,18 @@ class ChatPrompt:
 
 
 @attrs.frozen
+class AudioRef:
+    """An audio part (``input_audio``) a text model hears through speech-to-text: where it is
+    in the body, its base64 data and format, and the placeholder the prompt holds until its
+    transcript replaces it (http/ transcribes it before the request is submitted)."""
+
+    where: str
+    data: str
+    format: str
+    placeholder: str
+
+
+@attrs.frozen
 class ImageRef:
     """An image part as a request names it: where it is in the body, and its URL (a data
     URI, http(s), ``file://`` or a path). http/ reads it before the request is submitted."""
@@ -187,6 +199,8 @@ class GenerationRequest:
     # The prompt's images in the order their parts appear (vision models): ``ImageRef``s as
     # the wire names them, decoded images (PIL) once http/ has read them within its limits.
     images: tuple[Any, ...] = ()
+    # Audio parts to transcribe into the prompt (``AudioRef``), before submission.
+    audio: tuple[AudioRef, ...] = ()
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------

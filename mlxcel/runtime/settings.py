@@ -92,6 +92,12 @@ class Settings:
     media_path: Path | None = None
     # Image encodings kept for images sent again (--vision-cache-size; 0: none).
     vision_cache_size: int = 20
+    # Image prompts share the prompt cache, keyed by their images too
+    # (--enable-vlm-prefix-cache; off: image prompts are read whole every time).
+    vlm_prefix_cache: bool = False
+    # Audio parts on chat are transcribed into the prompt by the speech-to-text worker
+    # (--no-audio-input: refused instead).
+    audio_input: bool = True
     # llama-server's --context-shift (off by default, as there): a sequence that fills its
     # context drops its oldest tokens after n_keep and goes on instead of stopping.
     context_shift: bool = False

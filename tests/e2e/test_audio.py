@@ -7,6 +7,7 @@ must give back the words.
 
 from __future__ import annotations
 
+import base64
 import io
 import re
 import time
@@ -356,3 +357,45 @@ def test_no_audio_server_answers_501(tiny_model_dir: Path) -> None:
         c.close()
     finally:
         server.stop()
+
+
+# -- audio parts on chat, heard through speech-to-text -----------------------------------------
+
+
+def test_an_audio_part_is_heard_as_its_transcript(
+    client: openai.OpenAI, question_wav: bytes
+) -> None:
+    heard = client.audio.transcriptions.create(model="whisper-1", file=("q.wav", question_wav))
+    data = base64.b64encode(question_wav).decode()
+    audio: Any = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    cue: Any = {"type": "text", "text": "Answer:"}
+    by_ear = client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": [audio, cue]}],
+        max_tokens=4,
+        temperature=0,
+    )
+    by_text = client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": f"{heard.text.strip()}\nAnswer:"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert {"capital", "france"} <= _words(heard.text)
+    assert by_ear.usage is not None and by_text.usage is not None
+    assert by_ear.usage.prompt_tokens == by_text.usage.prompt_tokens
+    assert by_ear.choices[0].message.content == by_text.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [("@@not base64@@", "not valid base64"), (base64.b64encode(b"hello").decode(), "decoded")],
+)
+def test_a_bad_audio_part_is_400_naming_it(client: openai.OpenAI, data: str, message: str) -> None:
+    audio: Any = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": [audio]}], max_tokens=1
+        )
+    assert message in raised.value.body["message"]  # type: ignore[index]
+    assert raised.value.body["param"] == "messages[0].content[0]"  # type: ignore[index]

@@ -183,7 +183,7 @@ def test_local_files_only_under_media_path(vlm: Vlm) -> None:
         ({"type": "image_url", "image_url": {"url": ""}}, "url"),
         ({"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}, "scheme"),
         ({"type": "image_url", "image_url": {"url": "x.png", "detail": "max"}}, "detail"),
-        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "audio input"),
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "base64 audio"),
     ],
 )
 def test_bad_image_parts_are_400_naming_the_part(
@@ -342,3 +342,51 @@ def test_native_completion_multimodal_data(vlm: Vlm) -> None:
     bad = httpx.post(url, json={"prompt": two, "n_predict": 1}, timeout=60)
     assert bad.status_code == 400
     assert "markers" in bad.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def prefix_vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vlm]:
+    # Qwen2-VL: its M-RoPE positions must survive the trip through the prompt cache.
+    folder = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen2_vl", "qwen2_vl")
+    server = ServerProcess(
+        ["-m", str(folder), "-np", "2", "--metrics", "--enable-vlm-prefix-cache"]
+    )
+    yield Vlm("qwen2_vl", folder, folder, server)
+    server.stop()
+
+
+def test_the_next_turn_about_an_image_reads_only_its_new_text(prefix_vlm: Vlm) -> None:
+    vlm = prefix_vlm
+    image = image_part(noise(60))
+    first = vlm.ask(image, TEXT, max_tokens=5)
+    turns: list[Any] = [
+        {"role": "user", "content": [image, TEXT]},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And the colours?"},
+    ]
+    hits = sample(vlm.server.base_url, "mlxcel_prompt_cache_hits_total") or 0.0
+
+    def second(**extra: Any) -> tuple[str, list[float], Any]:
+        r = vlm.client.chat.completions.create(
+            model="any",
+            messages=turns,
+            temperature=0,
+            max_tokens=4,
+            logprobs=True,
+            extra_body=extra,
+        )
+        choice = r.choices[0]
+        return choice.message.content, [t.logprob for t in choice.logprobs.content], r.usage
+
+    cached_text, cached_lp, usage = second()
+    assert (sample(vlm.server.base_url, "mlxcel_prompt_cache_hits_total") or 0.0) == hits + 1
+    assert usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+    # Read whole (no cache): the same answer, so the cached prefix is the same state.
+    whole_text, whole_lp, _ = second(cache_prompt=False)
+    assert cached_text == whole_text
+    assert cached_lp == pytest.approx(whole_lp, abs=1e-4)
+    # Another image with the same text is not served from this image's entry.
+    turns[0] = {"role": "user", "content": [image_part(noise(61)), TEXT]}
+    hits = sample(vlm.server.base_url, "mlxcel_prompt_cache_hits_total") or 0.0
+    second()
+    assert (sample(vlm.server.base_url, "mlxcel_prompt_cache_hits_total") or 0.0) == hits

@@ -28,7 +28,7 @@ from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.model_runner.speculative_batch import Speculation, SpeculativeGenerationBatch
 from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.models import device, fast_lm, mlx_lm_compat, vision_cache
+from mlxcel.models import device, fast_lm, mlx_lm_compat, vision_cache, vlm
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -63,6 +63,9 @@ class MlxBackend:
         """``draft``: the ``--model-draft`` model, loaded (its tokenizer must be the model's)."""
         self._loaded = loaded
         self._vision = loaded.vision
+        self._vlm_prefix = settings.vlm_prefix_cache
+        # Per image request (M-RoPE): how far its positions are from its length.
+        self._shifts: dict[str, int] = {}
         self._tower = (
             vision_cache.install(loaded.vision.model, settings.vision_cache_size)
             if loaded.vision is not None
@@ -204,7 +207,7 @@ class MlxBackend:
                 # The first choice to finish donates its cache; one entry per prompt is enough.
                 key = self._cache_key.pop(rid, None)
                 if key is not None and self._cache is not None and r.prompt_cache is not None:
-                    self._cache.store(key, list(r.all_tokens or ()), r.prompt_cache)
+                    self._store(rid, key, list(r.all_tokens or ()), r.prompt_cache)
                     self._slots.donated(self._slot_of.get(rid, -1), key, list(r.all_tokens or ()))
                 self._forget(r.uid)
         shifted_rids: tuple[str, ...] = ()
@@ -378,20 +381,12 @@ class MlxBackend:
     def _insert(self, inserts: tuple[InsertSequence, ...]) -> tuple[tuple[str, int], ...]:
         rows: list[_Row] = []
         leaders: list[int] = []  # rows whose request forks its other choices later
-        cached = []
+        cached: list[tuple[str, int]] = []
         for s in inserts:
             prompt = list(s.prompt_tokens)
             cache, n = None, 0
             if s.images is not None and self._vision is not None:
-                # The images encoded and all of the prompt but its last token read, in this
-                # step (models/vlm.py); the row joins like a prompt-cache hit. Image prompts
-                # stay out of the prompt cache: their image tokens are the same ids whatever
-                # the picture.
-                rows.append(_Row(s, 0, prompt[-1:], self._vision.prefill(s.images), prompt[:-1]))
-                rows.extend(
-                    _Row(s, c, prompt[-1:], rows[-1].cache, prompt[:-1]) for c in range(1, s.n)
-                )
-                cached.append((s.request_id, 0))
+                rows.extend(self._image_rows(s, prompt, cached))
                 continue
             if self._cache is not None and s.cache_key is not None:
                 # Batch-invariant: a seeded prompt is read whole, in the chunks a lone request
@@ -412,6 +407,41 @@ class MlxBackend:
         for i in leaders:
             self._forks[uids[i]] = rows[i].seq
         return tuple(cached)
+
+    def _store(self, rid: str, key: str, tokens: list[int], cache: list[Any]) -> None:
+        """Donate a row's cache to the prompt cache; an M-RoPE image row's entry keeps its
+        position shift (a batch row's extracted cache knows only its length)."""
+        assert self._cache is not None
+        shift = self._shifts.pop(rid, 0)
+        if shift:
+            for layer in cache:
+                setattr(layer, vlm.POSITION_SHIFT, shift)
+        self._cache.store(key, tokens, cache)
+
+    def _image_rows(
+        self, s: InsertSequence, prompt: list[int], cached: list[tuple[str, int]]
+    ) -> list[_Row]:
+        """An image prompt's rows: its images encoded and all of it but its last token read,
+        in this step (models/vlm.py), the rows then joining like a prompt-cache hit.
+
+        Image prompts stay out of the prompt cache (their image tokens are the same ids
+        whatever the picture) unless ``--enable-vlm-prefix-cache``: then their entries are
+        keyed by the images' digest too, and a hit serves the prompt only when it covers
+        every image token (what follows is text, read as any prompt is)."""
+        assert self._vision is not None
+        images = s.images
+        if self._vlm_prefix and self._cache is not None and s.cache_key is not None:
+            key = f"{s.cache_key}\x00vision:{images.digest}"
+            self._cache_key[s.request_id] = key
+            cache, n = self._cache.lookup(key, prompt)
+            if cache is not None and n > images.last_image_token:
+                self._shifts[s.request_id] = int(getattr(cache[0], vlm.POSITION_SHIFT, 0))
+                cached.append((s.request_id, n))
+                return [_Row(s, c, prompt[n:], cache, prompt[:n]) for c in range(s.n)]
+        cache = self._vision.prefill(images)
+        self._shifts[s.request_id] = int(getattr(cache[0], vlm.POSITION_SHIFT, 0))
+        cached.append((s.request_id, 0))
+        return [_Row(s, c, prompt[-1:], cache, prompt[:-1]) for c in range(s.n)]
 
     def _start(self, rows: list[_Row]) -> list[int]:
         """Insert these rows into the batch; each choice gets its own sampler chain."""
@@ -494,6 +524,7 @@ class MlxBackend:
             del self._uids_by_rid[rid]
             self._cache_key.pop(rid, None)
             self._slot_of.pop(rid, None)
+            self._shifts.pop(rid, None)
 
     def _remove(self, requests: tuple[str, ...], choices: tuple[tuple[str, int], ...]) -> None:
         """Drop whole requests, and single choices of others."""
@@ -510,8 +541,7 @@ class MlxBackend:
         caches = self._gen.remove(uids, return_prompt_caches=bool(donors))
         for uid, key in donors.items():
             cache, tokens = caches[uid]
-            assert self._cache is not None
-            self._cache.store(key, list(tokens), cache)
+            self._store(self._rid_by_uid[uid], key, list(tokens), cache)
             self._slots.donated(self._slot_of.get(self._rid_by_uid[uid], -1), key, list(tokens))
         for uid in uids:
             self._forget(uid)
