@@ -189,7 +189,7 @@ def _load_vlm(resolved: ResolvedModel, dtype: str | None) -> LoadedModel:
     configured = _config_value(config, "eos_token_id")
     eos |= {int(i) for i in (configured if isinstance(configured, list) else [configured]) if i}
     return LoadedModel(
-        model=vlm.LanguageModel(model.language_model, vision.mrope),  # type: ignore[arg-type]
+        model=vlm.LanguageModel(model.language_model, vision.mrope),  # type: ignore[arg-type]  # called as a Module is
         tokenizer=tokenizer,
         tokenizer_wrapper=wrapper,
         model_id=resolved.model_id,

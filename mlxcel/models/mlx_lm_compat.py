@@ -179,7 +179,7 @@ def install() -> None:
         if missing:
             raise IncompatibleMlxLm(f"mlx-lm {installed_version()} lacks {', '.join(missing)}")
         BatchKVCache.extend = _extend  # type: ignore[method-assign]  # the patch, on purpose
-        BatchKVCache.merge = classmethod(_merge)  # type: ignore[method-assign, assignment]
+        BatchKVCache.merge = classmethod(_merge)  # type: ignore[method-assign, assignment]  # the patch
         _installed = True
 
 

@@ -169,7 +169,7 @@ class Vision:
         from mlx_lm.models.cache import make_prompt_cache
 
         lm = self.model.language_model
-        cache = make_prompt_cache(LanguageModel(lm, self.mrope))  # type: ignore[arg-type]
+        cache = make_prompt_cache(LanguageModel(lm, self.mrope))  # type: ignore[arg-type]  # duck-typed model
         ids = mx.array([list(prepared.tokens[:-1])])
         extras = {k: mx.array(v) for k, v in prepared.extras}
         self.model(ids, mx.array(prepared.pixel_values), cache=cache, **extras)
