@@ -1,6 +1,7 @@
-"""Audio parts heard by a text model (issue 24): ``input_audio`` on chat completions is
-transcribed by the speech-to-text worker (the one behind ``/v1/audio/transcriptions``) and its
-text takes the part's place in the prompt, before the request is submitted.
+"""Audio parts heard by a text model (issue 24): ``input_audio`` on chat completions (and
+Responses) is transcribed by the speech-to-text worker (the one behind
+``/v1/audio/transcriptions``) and its text takes the part's place in the prompt, before the
+request is submitted.
 
 The model never sees audio, so the answer is as good as the transcript; ``--no-audio-input``
 turns this off, and audio parts are then refused ("audio input is not supported"). A part
@@ -22,26 +23,46 @@ from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import ChatPrompt, GenerationRequest
 
 
+async def _transcript(stt: Any, data: str, where: str) -> str:
+    try:
+        audio = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest(
+            f"{where}: input_audio.data is not valid base64", param=where
+        ) from None
+    try:
+        samples = await trio.to_thread.run_sync(decode_audio, audio)
+    except InvalidRequest as error:
+        raise InvalidRequest(f"{where}: {error.message}", param=where) from None
+    heard = await stt.transcribe(samples)
+    return str(heard.text).strip()
+
+
+async def transcribe_items(items: list[dict[str, Any]], stt: Any) -> list[dict[str, Any]]:
+    """Responses input items with each ``input_audio`` part replaced by an ``input_text``
+    part holding its transcript (what is stored: the audio itself is not kept)."""
+    out = []
+    for item in items:
+        content = item.get("content")
+        if item.get("type") == "message" and isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") == "input_audio":
+                    text = await _transcript(stt, part["data"], part["where"])
+                    part = {"type": "input_text", "text": text}
+                parts.append(part)
+            item = {**item, "content": parts}
+        out.append(item)
+    return out
+
+
 async def transcribe_parts(request: GenerationRequest, stt: Any) -> GenerationRequest:
     """The request with each audio part's placeholder replaced by its transcript."""
     if not request.audio:
         return request
     if stt is None or not isinstance(request.prompt, ChatPrompt):  # the wire refuses first
         raise InvalidRequest("audio input is not supported", param=request.audio[0].where)
-    texts: dict[str, str] = {}
-    for ref in request.audio:
-        try:
-            data = base64.b64decode(ref.data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequest(
-                f"{ref.where}: input_audio.data is not valid base64", param=ref.where
-            ) from None
-        try:
-            samples = await trio.to_thread.run_sync(decode_audio, data)
-        except InvalidRequest as error:
-            raise InvalidRequest(f"{ref.where}: {error.message}", param=ref.where) from None
-        heard = await stt.transcribe(samples)
-        texts[ref.placeholder] = heard.text.strip()
+    texts = {ref.placeholder: await _transcript(stt, ref.data, ref.where) for ref in request.audio}
 
     def fill(text: str) -> str:
         for placeholder, transcript in texts.items():

@@ -23,7 +23,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from mlxcel.actors.session_store import Running, SessionStore
-from mlxcel.http import sse
+from mlxcel.http import heard, sse
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.openai import start_generation
 from mlxcel.http.responses_output import OutputBuilder, response_object, usage
@@ -247,6 +247,17 @@ class _Turn:
         self.store.end_running(self.base["id"])
 
 
+def _input(ctx: ServerContext, value: Any) -> list[dict[str, Any]]:
+    """The input items, reading images on a vision model and audio when a speech-to-text
+    model hears it (unless --no-audio-input)."""
+    hears = ctx.stt is not None and ctx.settings.audio_input
+    return input_items(value, vision=ctx.info.media is not None, hears=hears)
+
+
+async def _heard(ctx: ServerContext, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return await heard.transcribe_items(items, ctx.stt) if ctx.stt is not None else items
+
+
 @bp.post("/v1/responses")
 @bp.post("/responses")
 async def create() -> Response:
@@ -255,7 +266,7 @@ async def create() -> Response:
     body = parse_body(await read_json())
     model = ctx.check_model(body.model)
     store = store_of(ctx)
-    items = input_items(body.input, vision=ctx.info.media is not None)
+    items = await _heard(ctx, _input(ctx, body.input))
     history, conv = await load_history(store, body)
     rid = new_id("resp")
 
@@ -476,9 +487,7 @@ async def input_tokens() -> Response:
     body = parse_body(await read_json())
     ctx.check_model(body.model)
     history, _ = await load_history(store_of(ctx), body)
-    items = (
-        input_items(body.input, vision=ctx.info.media is not None) if body.input is not None else []
-    )
+    items = await _heard(ctx, _input(ctx, body.input)) if body.input is not None else []
     gen = generation_request(
         body,
         new_id("resp"),

@@ -144,18 +144,21 @@ def conversation_id(value: Any) -> str | None:
 # --- input items -------------------------------------------------------------------------------
 
 
-def input_items(value: Any, param: str = "input", *, vision: bool = False) -> list[dict[str, Any]]:
+def input_items(
+    value: Any, param: str = "input", *, vision: bool = False, hears: bool = False
+) -> list[dict[str, Any]]:
     """The request's input as stored items (each with an id). ``vision``: a user message's
     ``input_image`` parts are kept (their URLs are read when the request is submitted); else
-    they are refused here, before anything is fetched."""
+    they are refused here, before anything is fetched. ``hears``: ``input_audio`` parts are
+    kept for the handler to transcribe (else refused)."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidRequest(f"{param} must be a string or a non-empty list of items", param=param)
-    return [_item(item, f"{param}[{i}]", vision) for i, item in enumerate(value)]
+    return [_item(item, f"{param}[{i}]", vision, hears) for i, item in enumerate(value)]
 
 
-def _item(item: Any, at: str, vision: bool = False) -> dict[str, Any]:
+def _item(item: Any, at: str, vision: bool = False, hears: bool = False) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise InvalidRequest(f"{at} must be an object", param=at)
     kind = item.get("type", "message" if "role" in item else None)
@@ -164,7 +167,7 @@ def _item(item: Any, at: str, vision: bool = False) -> dict[str, Any]:
     if item.get("id") is not None and not isinstance(item["id"], str):
         raise InvalidRequest(f"{at}.id must be a string", param=f"{at}.id")
     if kind == "message":
-        return _message_item(item, at, vision)
+        return _message_item(item, at, vision, hears)
     if kind == "function_call":
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):
@@ -212,14 +215,14 @@ def _item(item: Any, at: str, vision: bool = False) -> dict[str, Any]:
     )
 
 
-def _message_item(item: Any, at: str, vision: bool = False) -> dict[str, Any]:
+def _message_item(item: Any, at: str, vision: bool = False, hears: bool = False) -> dict[str, Any]:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequest(
             f"{at}.role must be user, system, developer or assistant", param=f"{at}.role"
         )
-    if vision and role == "user" and isinstance(item.get("content"), list):
-        parts = _user_parts(item["content"], f"{at}.content")
+    if (vision or hears) and role == "user" and isinstance(item.get("content"), list):
+        parts = _user_parts(item["content"], f"{at}.content", vision, hears)
     else:
         text = _parts_text(item.get("content"), f"{at}.content")
         part = "output_text" if role == "assistant" else "input_text"
@@ -235,27 +238,38 @@ def _message_item(item: Any, at: str, vision: bool = False) -> dict[str, Any]:
     }
 
 
-def _user_parts(content: list[Any], at: str) -> list[dict[str, Any]]:
-    """A user message's text and images, in order, as stored (``input_text`` parts joined as
-    they come, each ``input_image`` on its own, with its URL: a data URI, http(s), a path)."""
+def _user_parts(content: list[Any], at: str, vision: bool, hears: bool) -> list[dict[str, Any]]:
+    """A user message's text, images and audio, in order, as stored: ``input_text`` parts
+    joined as they come, each ``input_image`` on its own with its URL (a data URI, http(s), a
+    path; a vision model), each ``input_audio`` with its data until the handler replaces it
+    by its transcript (``heard.transcribe_items``; a server that hears)."""
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
+        where = f"{at}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "image_url"):
+        if kind in ("input_image", "image_url") and vision:
             value = part.get("image_url")
             url = value.get("url") if isinstance(value, dict) else value
             if not isinstance(url, str) or not url:
-                detail = "a file_id (there is no uploads store here)" if part.get("file_id") else ""
-                raise InvalidRequest(
-                    f"{at}[{j}].image_url must be a non-empty URL"
-                    + (f", not {detail}" if detail else ""),
-                    param=f"{at}[{j}]",
+                why = (
+                    ", not a file_id (there is no uploads store here)"
+                    if part.get("file_id")
+                    else ""
                 )
+                raise InvalidRequest(f"{where}.image_url must be a non-empty URL{why}", param=where)
             parts.append(
                 {"type": "input_image", "image_url": url, "detail": part.get("detail") or "auto"}
             )
             continue
-        text = _parts_text([part], f"{at}[{j}]")
+        if kind == "input_audio" and hears:
+            value = part.get("input_audio")
+            data = value.get("data") if isinstance(value, dict) else None
+            if not isinstance(data, str) or not data:
+                raise InvalidRequest(f"{where}.input_audio.data must be base64 audio", param=where)
+            fmt = value.get("format", "wav") if isinstance(value, dict) else "wav"
+            parts.append({"type": "input_audio", "data": data, "format": fmt, "where": where})
+            continue
+        text = _part_text(part, kind, where)
         if parts and parts[-1]["type"] == "input_text":
             parts[-1]["text"] += "\n" + text
         else:
@@ -287,18 +301,23 @@ def _parts_text(content: Any, at: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if not isinstance(kind, str):
-            raise InvalidRequest(f"{at}[{j}].type must be a string", param=f"{at}[{j}].type")
-        if kind in TEXT_PARTS:
-            value = part.get("refusal" if kind == "refusal" else "text")
-            if not isinstance(value, str):
-                raise InvalidRequest(f"{at}[{j}].text must be a string", param=f"{at}[{j}]")
-            texts.append(value)
-        elif kind in MEDIA:
-            raise InvalidRequest(f"{MEDIA[kind]} input is not supported", param=f"{at}[{j}]")
-        else:
-            raise InvalidRequest(f"{at}[{j}].type '{kind}' is not supported", param=f"{at}[{j}]")
+        texts.append(_part_text(part, kind, f"{at}[{j}]"))
     return "\n".join(texts)
+
+
+def _part_text(part: Any, kind: Any, where: str) -> str:
+    """A text part's text; a 400 naming it for anything else (media this server does not
+    read here, unknown types)."""
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{where}.type must be a string", param=f"{where}.type")
+    if kind in TEXT_PARTS:
+        value = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{where}.text must be a string", param=where)
+        return value
+    if kind in MEDIA:
+        raise InvalidRequest(f"{MEDIA[kind]} input is not supported", param=where)
+    raise InvalidRequest(f"{where}.type '{kind}' is not supported", param=where)
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, object]]:

@@ -399,3 +399,28 @@ def test_a_bad_audio_part_is_400_naming_it(client: openai.OpenAI, data: str, mes
         )
     assert message in raised.value.body["message"]  # type: ignore[index]
     assert raised.value.body["param"] == "messages[0].content[0]"  # type: ignore[index]
+
+
+def test_responses_input_audio_is_stored_as_its_transcript(
+    client: openai.OpenAI, question_wav: bytes
+) -> None:
+    heard = client.audio.transcriptions.create(model="whisper-1", file=("q.wav", question_wav))
+    data = base64.b64encode(question_wav).decode()
+    content: Any = [
+        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+        {"type": "input_text", "text": "Answer:"},
+    ]
+    response = client.responses.create(
+        model="any", input=[{"role": "user", "content": content}], max_output_tokens=2
+    )
+    by_text = client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": f"{heard.text.strip()}\nAnswer:"}],
+        max_tokens=1,
+    )
+    assert response.usage is not None and by_text.usage is not None
+    assert response.usage.input_tokens == by_text.usage.prompt_tokens
+    stored = client.responses.input_items.list(response.id)
+    parts = stored.data[0].content  # type: ignore[union-attr]
+    assert [p.type for p in parts] == ["input_text", "input_text"]
+    assert parts[0].text == heard.text.strip()  # type: ignore[union-attr]
