@@ -143,6 +143,15 @@ async def serve(
             if side.generation
             else side.model_info()
         )
+        if info.max_rows is not None and settings.parallel > info.max_rows:
+            log.warning(
+                "%s cannot decode requests side by side (models/vlm.py, Vision.batchable): "
+                "serving %d at a time instead of --parallel %d",
+                info.model_id,
+                info.max_rows,
+                settings.parallel,
+            )
+            settings = attrs.evolve(settings, parallel=info.max_rows)
         # Output formats are read off the chat template (and special tokens) once, here.
         tool_format = choose_tool_format(
             settings.tool_format, detect_tools(info.chat_template, info.tokenizer.get_vocab())

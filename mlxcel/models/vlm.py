@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 # The attribute on a row's layer caches that says how far its positions are from its length
 # (mlx_lm_compat's batch-cache merge reads it).
 POSITION_SHIFT = mlx_lm_compat.POSITION_SHIFT
-# Families whose language model places tokens with M-RoPE (three position streams).
+# Families whose language model places tokens with M-RoPE (three position streams), given
+# explicit per-row positions here (qwen2_vl is tested; qwen2_5_vl's language model is the
+# same code shape, not run here).
 MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
@@ -162,6 +164,16 @@ class Vision:
     @property
     def mrope(self) -> bool:
         return self.family in MROPE_FAMILIES
+
+    @property
+    def batchable(self) -> bool:
+        """Whether rows of this family may decode side by side. A language model that keeps
+        the last prompt's rope offsets on itself (``_rope_deltas``: GLM-4V, Qwen3-VL, MiniCPM-V,
+        ...) places every row of a batch by one prompt's images, unless its positions are
+        given per row as here for ``MROPE_FAMILIES``; such a family is served one request at
+        a time. Families with plain RoPE (positions from each row's cache offset, as
+        Idefics3 / SmolVLM, LLaVA, Gemma 3) batch."""
+        return self.mrope or not hasattr(self.model.language_model, "_rope_deltas")
 
     def prefill(self, prepared: PreparedImages) -> list[Any]:
         """All of the prompt but its last token read into a fresh KV cache (one per layer),

@@ -35,6 +35,7 @@ async def fake_server(
     script: list[int] | None = None,
     chat_template: str | None = None,
     reasoning_template: bool = False,
+    max_rows: int | None = None,
     **kw: Any,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FakeBackend, ServerContext]]:
     names = {a.name for a in attrs.fields(Settings)}
@@ -49,6 +50,7 @@ async def fake_server(
         # Output parsing reads the template: a tool marker or a <think> mention switches it on.
         chat_template=(chat_template or "") + ("{# <think> #}" if reasoning_template else "")
         or None,
+        max_rows=max_rows,
     )
     backend = FakeBackend(info, script=script or HELLO, **kw)
     stop = trio.Event()
@@ -454,3 +456,35 @@ def test_template_kwargs_are_passed_to_jinja(smollm_tokenizer: Any) -> None:
     )
     actor.render(gen)
     assert tok.kwargs["reasoning_effort"] == "high" and tok.kwargs["enable_thinking"] is True
+
+
+async def test_a_model_that_cannot_batch_serves_one_request_at_a_time(
+    smollm_tokenizer: Any,
+) -> None:
+    # A vision family whose language model keeps one prompt's positions (models/vlm.py).
+    async with fake_server(smollm_tokenizer, parallel=4, max_rows=1, step_delay=0.01) as (
+        client,
+        backend,
+        _,
+    ):
+        assert (await client.get("/props")).json()["total_slots"] == 1
+        most = 0
+
+        async def watch() -> None:
+            nonlocal most
+            while True:
+                most = max(most, backend.rows)
+                await trio.sleep(0.002)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+
+            async def ask() -> None:
+                r = await client.post("/v1/chat/completions", json=chat(max_tokens=6))
+                assert r.status_code == 200
+
+            async with trio.open_nursery() as requests:
+                for _ in range(3):
+                    requests.start_soon(ask)
+            nursery.cancel_scope.cancel()
+        assert most == 1

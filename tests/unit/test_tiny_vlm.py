@@ -252,3 +252,15 @@ def test_batched_decode_through_the_language_model(vlm: TinyVlm) -> None:
         # And alone is what mlx-vlm's own greedy generation gives.
         expected = [[r.token for r in vlm.stream(image, p, steps)] for image, p in requests]
         assert alone == expected
+
+
+def test_which_families_decode_side_by_side(vlm: TinyVlm) -> None:
+    from types import SimpleNamespace
+
+    from mlxcel.models.vlm import Vision
+
+    # Plain RoPE (Idefics3, LLaVA) and M-RoPE given per-row positions (Qwen2-VL) batch.
+    assert Vision(model=vlm.model, media=None, family=vlm.family).batchable
+    # A language model holding one prompt's rope offsets, in a family not handled: one at a time.
+    stateful = SimpleNamespace(language_model=SimpleNamespace(_rope_deltas=None))
+    assert not Vision(model=stateful, media=None, family="glm4v").batchable

@@ -32,6 +32,9 @@ class ModelInfo:
     # state): the tokenizer actor turns a prompt and its images into tokens and pixels with it.
     # None: the model reads text only.
     media: Any = None
+    # At most this many rows may decode together (a vision family that cannot batch: 1);
+    # None: --parallel decides.
+    max_rows: int | None = None
 
 
 class Backend(Protocol):

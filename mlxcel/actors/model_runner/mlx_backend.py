@@ -83,6 +83,7 @@ class MlxBackend:
             device=device.describe().label,
             meta=model_meta(loaded),
             media=loaded.vision.media if loaded.vision is not None else None,
+            max_rows=1 if loaded.vision is not None and not loaded.vision.batchable else None,
         )
         mlx_lm_compat.install()  # once per process; the loader did it already
         if settings.batch_invariant:
