@@ -390,3 +390,20 @@ def test_the_next_turn_about_an_image_reads_only_its_new_text(prefix_vlm: Vlm) -
     hits = sample(vlm.server.base_url, "mlxcel_prompt_cache_hits_total") or 0.0
     second()
     assert (sample(vlm.server.base_url, "mlxcel_prompt_cache_hits_total") or 0.0) == hits
+
+
+def test_streamed_and_n_choices_with_an_image(vlm: Vlm) -> None:
+    image = image_part(noise(70))
+    whole = vlm.ask(image, TEXT).choices[0].message.content
+    chunks = vlm.client.chat.completions.create(
+        model="any",
+        messages=[{"role": "user", "content": [image, TEXT]}],
+        temperature=0,
+        max_tokens=6,
+        stream=True,
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole
+    # n choices share the image's prefill; greedy, each is the lone answer.
+    two = vlm.ask(image, TEXT, n=2)
+    assert [c.message.content for c in two.choices] == [whole, whole]
