@@ -74,6 +74,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "-a", "--alias", env="LLAMA_ARG_ALIAS", default=d.alias, help="id the model is served under"
     )
     p.add_argument(
+        "--offline",
+        action="store_true",
+        default=_env_bool("HF_HUB_OFFLINE", False),
+        help="never touch the network for a hub model id: serve it only from the local hub "
+        "cache (env: HF_HUB_OFFLINE)",
+    )
+    p.add_argument(
         "--strict-model-names",
         action="store_true",
         default=_env_bool("MLXCEL_STRICT_MODEL_NAMES", d.strict_model_names),
@@ -1030,8 +1037,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_abbrev=False,
     )
     add_serve_flags(serve)
+    fetch = sub.add_parser(
+        "download",
+        help="fetch a model from the Hugging Face hub into its cache (and print its folder)",
+        description="Fetch a model repo (config, weights, tokenizer) into the Hugging Face "
+        "hub cache, with its progress bars, so that `serve -m REPO_ID` starts from it.",
+        allow_abbrev=False,
+    )
+    fetch.add_argument("repo_id", metavar="REPO_ID", help="owner/name on the Hugging Face hub")
+    fetch.add_argument(
+        "--offline",
+        action="store_true",
+        default=_env_bool("HF_HUB_OFFLINE", False),
+        help="never touch the network: only say whether the hub cache has it (env: HF_HUB_OFFLINE)",
+    )
     args = p.parse_args(_argv(argv))
+    if args.command == "download":
+        return run_download(args.repo_id, offline=args.offline)
     if args.command != "serve":
         p.print_help()
         return 2
+    if args.offline:
+        # Read by huggingface_hub and by the resolver (models/resolve.py) before any lookup.
+        os.environ["HF_HUB_OFFLINE"] = "1"
     return run_serve(settings_from(args), webui=args.webui)
+
+
+def run_download(repo_id: str, *, offline: bool) -> int:
+    """`mlxcel download`: one line on stdout (the folder), or one line on stderr (why not)."""
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    from mlxcel.models.errors import ModelError
+    from mlxcel.models.resolve import download_repo
+
+    try:
+        folder = download_repo(repo_id)
+    except ModelError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0

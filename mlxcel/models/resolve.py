@@ -166,6 +166,43 @@ def _hub_offline() -> bool:
     return constants.HF_HUB_OFFLINE or env in {"1", "ON", "YES", "TRUE"}
 
 
+# The exception names (httpx, requests, urllib3) that say there is no connection to the hub.
+_NO_CONNECTION = {"ConnectError", "ConnectionError", "ConnectTimeout", "NameResolutionError"}
+
+
+def _why(exc: BaseException) -> str:
+    """One line on why the hub failed: no connection, no such repo, or the error's first
+    line (hub errors run to paragraphs of advice)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    names = {type(e).__name__ for e in chain}
+    offline = [e for e in chain if type(e).__name__ in _NO_CONNECTION]
+    if offline:
+        text = str(offline[0])
+        return (
+            f"it cannot be reached: {text.splitlines()[0] if text else type(offline[0]).__name__}"
+        )
+    if names & {"RepositoryNotFoundError", "GatedRepoError"}:
+        return "no such repo, or it is private or gated (set HF_TOKEN)"
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def download_repo(repo_id: str) -> Path:
+    """``mlxcel download``: the repo's folder in the hub cache, fetched when it is not there
+    (``ModelNotFound`` with one line saying why when it cannot be had)."""
+    if not _REPO_ID.fullmatch(repo_id):
+        raise ModelNotFound(f"{repo_id!r} is not a hub repo id (owner/name)")
+    return _download(repo_id)
+
+
+# owner/name, as the hub spells repo ids.
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
@@ -197,7 +234,7 @@ def _download(repo_id: str) -> Path:
                 "and it is not in the local hub cache"
             )
         else:
-            where = f"the Hugging Face hub could not provide it ({type(exc).__name__}: {exc})"
+            where = f"the Hugging Face hub could not provide it ({_why(exc)})"
         raise ModelNotFound(
             f"model {repo_id!r} not found: it is not a local folder or .gguf file, and {where}"
         ) from exc
