@@ -19,6 +19,9 @@ mlxcel names a private attribute of mlx-lm:
 - ``swap_model_functions`` puts ``fast_lm``'s attention and SwiGLU into the modules of
   ``mlx_lm.models`` that a loaded model's classes come from, and ``batch_left_padding`` tells
   that attention a plain batch cache's rows' padding (``--batch-invariant``);
+- row reuse (``actors/model_runner/row_reuse.py``) puts a joining row in a finished one's
+  place: its per-row state (``place_rows``) and its keys and values (``kv_rows_fit``,
+  ``write_kv_rows``, ``live_left_padding``);
 - speculation (``actors/model_runner/speculative_batch.py``) feeds a batch several tokens per
   row and takes back each row's rejected ones (``rewind_rows``, through ``BatchKVCache``'s
   right-padding roll), and sets a batch's pending tokens (``set_next_tokens``) and the state

@@ -52,6 +52,8 @@ class CachedTower:
 
     def __getattr__(self, name: str) -> Any:
         # Families read the tower's own attributes (its dtype through a weight, its config).
+        if name == "tower":  # not set yet (a copy being built): no recursion through it
+            raise AttributeError(name)
         return getattr(self.tower, name)
 
 
