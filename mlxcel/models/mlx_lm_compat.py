@@ -1,7 +1,7 @@
 """Everything mlxcel relies on inside mlx-lm beyond its public API: this file is the list.
 
 mlx-lm's public face is small (``load``, ``BatchGenerator.insert / next / remove /
-extract_cache``, the cache classes, ``LRUPromptCache``'s insert and fetch). Four things of ours
+extract_cache``, the cache classes, ``LRUPromptCache``'s insert and fetch). Several things of ours
 go further, and each goes through a named function or constant here, so that nothing else in
 mlxcel names a private attribute of mlx-lm:
 
