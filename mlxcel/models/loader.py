@@ -24,7 +24,7 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
-from mlxcel.models import device, fast_lm, vlm
+from mlxcel.models import device, fast_lm, mlx_lm_compat, vlm
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
@@ -102,9 +102,7 @@ def load_model(
     too); other quantised layers are dequantised to float32.
 
     Raises ``IncompatibleMlxLm`` first when the installed mlx-lm is not one we tested."""
-    from mlx_lm.utils import get_total_parameters, load
-
-    from mlxcel.models import mlx_lm_compat
+    from mlx_lm.utils import load
 
     mlx_lm_compat.install()
     if vlm.is_vlm(resolved.path):
@@ -145,7 +143,25 @@ def load_model(
     mx.eval(model.parameters())
     fast_lm.install(model)  # vectorised softmax / SwiGLU on the CPU (see fast_lm)
 
+    return _loaded(resolved, model, wrapper, config, dtype, native_layers=on_native)
+
+
+def _loaded(
+    resolved: ResolvedModel,
+    model: Any,
+    wrapper: Any,
+    config: dict[str, Any],
+    dtype: str,
+    *,
+    parameters: Any = None,
+    **extra: Any,
+) -> LoadedModel:
+    """The facts the server needs about a loaded model (``parameters``: the module whose
+    weights count, when ``model`` only wraps part of it)."""
+    from mlx_lm.utils import get_total_parameters
+
     tokenizer = mlx_lm_compat.tokenizer_of(wrapper)
+    counted = model if parameters is None else parameters
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -156,11 +172,11 @@ def load_model(
         chat_template=_chat_template(tokenizer),
         context_length=_context_length(config, tokenizer),
         vocab_size=int(_config_value(config, "vocab_size") or len(tokenizer)),
-        n_params=int(get_total_parameters(model)),
+        n_params=int(get_total_parameters(counted)),
         dtype=dtype,
-        quantized=_is_quantized(model),
+        quantized=_is_quantized(counted),
         config=config,
-        native_layers=on_native,
+        **extra,
     )
 
 
@@ -168,7 +184,6 @@ def _load_vlm(resolved: ResolvedModel, dtype: str | None) -> LoadedModel:
     """A vision-language checkpoint through mlx-vlm: float32 on the CPU (its bfloat16 and
     quantised kernels are the slow ones here), as stored on a GPU."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from mlx_lm.utils import get_total_parameters
 
     try:
         vision, tokenizer, config = vlm.load_vlm(resolved.path)
@@ -184,26 +199,12 @@ def _load_vlm(resolved: ResolvedModel, dtype: str | None) -> LoadedModel:
     else:
         _cast(model, DTYPES[dtype])
     mx.eval(model.parameters())
-    wrapper = TokenizerWrapper(tokenizer)
-    eos = {int(i) for i in wrapper.eos_token_ids}
+    # As mlx-lm's own loader does: the config's end-of-sequence ids join the tokenizer's.
     configured = _config_value(config, "eos_token_id")
-    eos |= {int(i) for i in (configured if isinstance(configured, list) else [configured]) if i}
-    return LoadedModel(
-        model=vlm.LanguageModel(model.language_model, vision.mrope),  # type: ignore[arg-type]  # called as a Module is
-        tokenizer=tokenizer,
-        tokenizer_wrapper=wrapper,
-        model_id=resolved.model_id,
-        path=resolved.path,
-        eos_token_ids=frozenset(eos),
-        chat_template=_chat_template(tokenizer),
-        context_length=_context_length(config, tokenizer),
-        vocab_size=int(_config_value(config, "vocab_size") or len(tokenizer)),
-        n_params=int(get_total_parameters(model)),
-        dtype=dtype,
-        quantized=_is_quantized(model),
-        config=config,
-        vision=vision,
-    )
+    eos = configured if isinstance(configured, list) else [configured]
+    wrapper = TokenizerWrapper(tokenizer, eos_token_ids=[i for i in eos if i is not None])
+    language = vlm.LanguageModel(model.language_model, vision.mrope)
+    return _loaded(resolved, language, wrapper, config, dtype, parameters=model, vision=vision)
 
 
 # llama.cpp's vocabulary kinds, by the tokenizers model a transformers tokenizer runs.

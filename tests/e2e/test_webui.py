@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 import wave
@@ -46,14 +45,20 @@ BROWSER_ARGS = [
 
 
 def chromium() -> str:
-    """Debian's Chromium. tools/setup.sh installs it wherever apt exists, so a missing one
-    there is a failure, never a skip that would count as a pass."""
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    """The Chromium the tests drive: ``MLXCEL_CHROMIUM`` when set, else the one on PATH
+    (Debian's, which tools/setup.sh installs wherever apt exists). Missing is a failure that
+    says how to get one, never a skip that would count as a pass."""
+    found = (
+        os.environ.get("MLXCEL_CHROMIUM")
+        or shutil.which("chromium")
+        or shutil.which("chromium-browser")
+    )
     if found:
         return found
-    if sys.platform != "linux" or shutil.which("apt-get") is None:
-        pytest.skip("the browser tests drive Debian's chromium (Linux with apt only)")
-    pytest.fail("chromium is not installed: run tools/setup.sh (apt-get install chromium)")
+    pytest.fail(
+        "no Chromium for the chat page's tests: run tools/setup.sh (apt-get install chromium), "
+        "or point MLXCEL_CHROMIUM at a Chromium or Chrome binary"
+    )
 
 
 @pytest.fixture(scope="module")
