@@ -237,12 +237,13 @@ def _audio_part(part: dict[str, Any], at: str, audio: list[AudioRef]) -> str:
 
 
 def _content(
-    content: Any, where: str, given: list[ImageRef] | Media | None = None
+    content: Any, where: str, media: Media | None = None
 ) -> str | list[dict[str, str]] | None:
-    """The message's text; with ``images`` (a vision model: None refuses image parts before
-    anything is read), a message with images becomes the parts a VLM chat template renders,
-    text and ``{"type": "image"}`` in order, and each image's reference is added to them."""
-    media = given if isinstance(given, Media) else Media(images=given)
+    """The message's text. With ``media.images`` (a vision model; None refuses image parts
+    before anything is read) a message with images becomes the parts a VLM chat template
+    renders, text and ``{"type": "image"}`` in order, each image's reference added to the
+    list; with ``media.audio`` an audio part becomes its transcript's placeholder."""
+    media = media or Media()
     images = media.images
     if content is None or isinstance(content, str):
         return content

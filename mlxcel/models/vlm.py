@@ -65,8 +65,7 @@ class PreparedImages:
     pixel_values: np.ndarray
     # The family's extras (image_grid_thw, pixel_attention_mask, ...), as numpy arrays.
     extras: tuple[tuple[str, np.ndarray], ...] = ()
-    # How many of ``tokens`` are image tokens, and where the last one is (-1: none).
-    image_tokens: int = 0
+    # Where the last image token is in ``tokens`` (-1: none).
     last_image_token: int = -1
     # A digest of the pixels (and the family's grids): the images' identity, for caching.
     digest: str = ""
@@ -76,10 +75,9 @@ class MediaProcessor:
     """The checkpoint's processor, for the tokenizer actor's thread: thread-safe (it only
     reads its configuration), holds no mlx state."""
 
-    def __init__(self, processor: Any, image_token_id: int, family: str) -> None:
+    def __init__(self, processor: Any, image_token_id: int) -> None:
         self._processor = processor
         self.image_token_id = image_token_id
-        self.family = family
         self.image_marker = _image_marker(processor)
 
     def prepare(self, prompt: str, images: list[Any]) -> PreparedImages:
@@ -98,7 +96,6 @@ class MediaProcessor:
             tokens=tuple(int(t) for t in ids),
             pixel_values=pixels,
             extras=extras,
-            image_tokens=int(where.size),
             last_image_token=int(where[-1]) if where.size else -1,
             digest=digest.hexdigest(),
         )
@@ -209,5 +206,5 @@ def load_vlm(path: Path) -> tuple[Vision, Any, dict[str, Any]]:
         token_id = getattr(model.config, "image_token_index", None)
     if token_id is None:
         raise ValueError(f"{path}: the config names no image token")
-    media = MediaProcessor(processor, int(token_id), family)
+    media = MediaProcessor(processor, int(token_id))
     return Vision(model=model, media=media, family=family), processor.tokenizer, config

@@ -54,9 +54,8 @@ class PrimedGenerationBatch(GenerationBatch):
         self._holes: set[int] = set()
         self._counting_holes = False
         self._next_hole_uid = -1
-        # Rows that joined into a hole, and compactions (for tests and benchmarks).
+        # Rows that joined into a hole (tests and benchmarks read it).
         self.reused_rows = 0
-        self.compactions = 0
         super().__init__(*args, **kwargs)
         self._starts = [PRIMED if primed else NORMAL] * len(self.uids)
         if primed:
@@ -201,8 +200,6 @@ class PrimedGenerationBatch(GenerationBatch):
                 self._vacate(i)
             self._settle_hole_samplers()
             return
-        if self._holes:
-            self.compactions += 1
         super().filter(live)
         self._starts = [self._starts[i] for i in live]
         self._holes = set()
