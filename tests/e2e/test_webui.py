@@ -413,7 +413,14 @@ def test_talking_over_the_answer_cuts_it_off(
     try:
         with browsing(browser) as page:
             open_page(page, server.base_url)
-            settings(page, max_tokens=200)
+            # A long answer every time (greedy, told to go on): a short one could end, and
+            # stop playing, before the second question starts.
+            settings(
+                page,
+                max_tokens=200,
+                temperature=0,
+                system="You are a storyteller. Always tell long stories with many details.",
+            )
             page.click("#talk-button")
             page.wait_for_selector(
                 "#talk-log .line.assistant.cancelled", state="attached", timeout=120_000

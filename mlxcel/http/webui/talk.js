@@ -82,17 +82,19 @@ function onRealtimeEvent(event) {
   switch (event.type) {
     case "session.created": {
       const settings = loadSettings();
-      const limit = samplingFields(settings).max_tokens;
-      talk.ws.send(JSON.stringify({
-        type: "session.update",
-        session: {
-          type: "realtime",
-          instructions: settings.system || "You are a helpful voice assistant. Answer briefly.",
-          output_modalities: ["audio"],
-          max_output_tokens: limit >= 1 && limit <= 4096 ? Math.round(limit) : "inf",
-          audio: { input: { turn_detection: { type: "server_vad" } } },
-        },
-      }));
+      const sampling = samplingFields(settings);
+      const limit = sampling.max_tokens;
+      const session = {
+        type: "realtime",
+        instructions: settings.system || "You are a helpful voice assistant. Answer briefly.",
+        output_modalities: ["audio"],
+        max_output_tokens: limit >= 1 && limit <= 4096 ? Math.round(limit) : "inf",
+        audio: { input: { turn_detection: { type: "server_vad" } } },
+      };
+      // The page's temperature holds in talk mode too (the session takes 0 to 2).
+      const t = sampling.temperature;
+      if (t !== undefined && t >= 0 && t <= 2) session.temperature = t;
+      talk.ws.send(JSON.stringify({ type: "session.update", session }));
       break;
     }
     case "session.updated":
