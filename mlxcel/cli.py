@@ -87,6 +87,32 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="answer 404 to a request naming a model this server does not serve (default: "
         "serve any name, as llama-server in single-model mode) (env: MLXCEL_STRICT_MODEL_NAMES)",
     )
+    # Router mode (llama-server's): several models behind one endpoint, chosen by `model`.
+    opt(
+        "--models-dir",
+        env="LLAMA_ARG_MODELS_DIR",
+        type=Path,
+        default=d.models_dir,
+        metavar="DIR",
+        help="router mode: serve every model folder and .gguf file in DIR (named by its "
+        "folder or file name; -m adds one more), loaded on demand",
+    )
+    opt(
+        "--models-max",
+        env="LLAMA_ARG_MODELS_MAX",
+        type=int,
+        default=d.models_max,
+        metavar="N",
+        help="router mode: at most N models loaded at once; the least recently used idle one "
+        "is unloaded to make room",
+    )
+    p.add_argument(
+        "--models-autoload",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("LLAMA_ARG_MODELS_AUTOLOAD", d.models_autoload),
+        help="router mode: load a model on the first request that names it (default); "
+        "--no-models-autoload: only POST /models/load loads (env: LLAMA_ARG_MODELS_AUTOLOAD)",
+    )
     opt(
         "--cache-dir",
         env="MLXCEL_CACHE_DIR",
@@ -819,10 +845,34 @@ def slot_save_path(value: str | None) -> Path | None:
     return path
 
 
+def check_router(args: argparse.Namespace) -> None:
+    """--models-dir must be a folder with models in it; what names one model is refused."""
+    if args.models_dir is None:
+        return
+    from mlxcel.actors.registry import scan_models_dir
+
+    folder = Path(args.models_dir).expanduser()
+    if not folder.is_dir():
+        raise SystemExit(f"error: --models-dir {args.models_dir}: not a folder")
+    if not scan_models_dir(folder) and not args.model:
+        raise SystemExit(
+            f"error: --models-dir {args.models_dir}: no model folders or .gguf files in it"
+        )
+    for flag, value in (("--alias", args.alias), ("--model-draft", args.model_draft)):
+        if value:
+            raise SystemExit(
+                f"error: {flag} names one model; router mode (--models-dir) serves each model "
+                "by its folder or file name"
+            )
+    args.models_dir = folder
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     for note in cli_compat.check(args):
         log.warning("%s", note)
+    check_router(args)
     checks = {
+        "--models-max": args.models_max >= 0,
         "--parallel": args.parallel >= 1,
         "--max-images": args.max_images >= 1,
         "--vision-cache-size": args.vision_cache_size >= 0,
@@ -871,6 +921,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         model=args.model,
         alias=args.alias,
         strict_model_names=args.strict_model_names,
+        models_dir=args.models_dir,
+        models_max=args.models_max,
+        models_autoload=args.models_autoload,
         host=args.host,
         port=args.port,
         ctx_size=args.ctx_size,

@@ -8,10 +8,10 @@ for the whole drain, so an orchestrator's kill deadline set above it is never re
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import trio
 
-from mlxcel.actors.admission import Admission
 from mlxcel.http.inflight import InFlight
 from mlxcel.runtime.system import LongLived
 
@@ -22,8 +22,18 @@ log = logging.getLogger(__name__)
 CLOSE_MARGIN = 2.0
 
 
+class Admissions(Protocol):
+    """Every model's admission at once (``actors.registry.Registry``)."""
+
+    @property
+    def active(self) -> int: ...
+    def drain(self) -> None: ...
+    def interrupt_all(self) -> None: ...
+    async def wait_idle(self) -> None: ...
+
+
 async def drain(
-    admission: Admission, long_lived: LongLived, requests: InFlight, graceful_timeout: float
+    admission: Admissions, long_lived: LongLived, requests: InFlight, graceful_timeout: float
 ) -> None:
     """Everything in flight ends properly within ``graceful_timeout`` seconds.
 

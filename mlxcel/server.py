@@ -1,8 +1,9 @@
 """The integration point: wires the actors and the HTTP front into one root nursery.
 
-Start order (each waits for the previous one's ``started``): model runner (loads and warms up
-the model on its own thread) -> streamer -> scheduler -> tokenizer -> admission -> HTTP. The
-listener binds only once the model is ready.
+Start order (each waits for the previous one's ``started``): side models and audio workers,
+the model registry (which, with one model, loads it: its pipeline's start order is in
+``actors.hosting``), the session store, then HTTP. The listener binds only once the model is
+ready; in router mode (``--models-dir``) models load when asked for.
 """
 
 from __future__ import annotations
@@ -12,35 +13,27 @@ import logging
 import os
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import attrs
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from mlxcel.actors.admission import Admission
 from mlxcel.actors.audio.start import start_audio
-from mlxcel.actors.model_runner.backend import Backend, ModelInfo
-from mlxcel.actors.model_runner.runner import ModelRunner
-from mlxcel.actors.pipeline import LocalPipeline
-from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.actors.scheduler import Scheduler
+from mlxcel.actors.hosting import Hosted, host_model
+from mlxcel.actors.model_runner.backend import Backend
+from mlxcel.actors.registry import Registry, scan_models_dir
 from mlxcel.actors.session_store import open_session_store
-from mlxcel.actors.side_models import GenerationDisabled, start_side_models
+from mlxcel.actors.side_models import GenerationDisabled, SideModels, start_side_models
 from mlxcel.actors.stream_sessions import StreamSessions
-from mlxcel.actors.streamer import Streamer
-from mlxcel.actors.tokenizer import TokenizerActor
-from mlxcel.actors.toolcalls import ToolFormat
-from mlxcel.actors.toolcalls import detect as detect_tools
 from mlxcel.drain import drain
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
 from mlxcel.http.inflight import InFlight
 from mlxcel.models import blas
-from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
-from mlxcel.runtime.slot import AbortBox
 from mlxcel.runtime.system import wait_for_stop_signal
 
 log = logging.getLogger(__name__)
@@ -79,6 +72,50 @@ def build_mlx_backend(settings: Settings) -> Backend:
     return backend
 
 
+def _model_sources(settings: Settings) -> dict[str, str]:
+    """The models to serve, by name: ``-m`` alone, or router mode's ``--models-dir`` (and
+    ``-m``, named by its folder or file)."""
+    if settings.models_dir is None:
+        return {settings.alias or settings.model or "default": settings.model or ""}
+    found = scan_models_dir(settings.models_dir)
+    if settings.model:
+        path = Path(settings.model)
+        found.setdefault(path.stem if path.suffix == ".gguf" else path.name, settings.model)
+    return found
+
+
+async def _host(
+    settings: Settings,
+    build_backend: Callable[[], Backend] | None,
+    metrics: Metrics,
+    side: SideModels,
+    name: str,
+    source: str,
+    *,
+    task_status: trio.TaskStatus[Hosted],
+) -> None:
+    """One model's pipeline (``actors.hosting``): -m's, or a router mode model's."""
+    if settings.models_dir is not None:
+        # Router mode: each model from its own source, called by its own name.
+        own = attrs.evolve(settings, model=source, alias=None)
+        await host_model(
+            name, own, partial(build_mlx_backend, own), metrics, task_status=task_status
+        )
+    elif side.generation:
+        build = build_backend or partial(build_mlx_backend, settings)
+        await host_model(None, settings, build, metrics, task_status=task_status)
+    else:
+        await host_model(
+            None,
+            settings,
+            None,
+            metrics,
+            side_info=side.model_info(),
+            disabled=GenerationDisabled,
+            task_status=task_status,
+        )
+
+
 def hypercorn_config(settings: Settings) -> Config:
     config = Config()
     if settings.unix_socket:
@@ -97,15 +134,6 @@ def hypercorn_config(settings: Settings) -> Config:
     return config
 
 
-def choose_tool_format(flag: str, detected: ToolFormat | None) -> ToolFormat | None:
-    """--tool-format: the template's own format, else generic (llama-server's fallback)."""
-    if flag == "none":
-        return None
-    if flag == "auto":
-        return detected or ToolFormat.GENERIC
-    return ToolFormat(flag)
-
-
 async def serve(
     settings: Settings,
     *,
@@ -119,94 +147,25 @@ async def serve(
     ``started`` reports the bound addresses once the listener accepts connections. ``webui``:
     browsers get the chat page at ``/`` (``--no-webui`` turns it off).
     """
-    build = build_backend or partial(build_mlx_backend, settings)
-    aborts = AbortBox()
     metrics = Metrics()
     metrics.live.blas_threads = blas.threads
-    plans_tx, plans_rx = trio.open_memory_channel[StepPlan](0)
-    outputs_tx, outputs_rx = trio.open_memory_channel[StepOutput](0)
-    stream_tx, stream_rx = trio.open_memory_channel[StreamerInbox](64)
-    # Requests admitted but not started: up to --max-queue-depth waiting, plus --parallel on
-    # their way to free slots (admission.py).
-    tokenized_tx, tokenized_rx = trio.open_memory_channel[SchedulerInbox](
-        settings.max_queue_depth + settings.parallel
-    )
-    submit_tx, submit_rx = trio.open_memory_channel[Submit](0)
 
     async with trio.open_nursery() as root:
         # Embedding / rerank workers; with -m <embedder> the chat model runner never starts.
         side = await start_side_models(root, settings, detect=build_backend is None)
         # Speech-to-text / text-to-speech workers: ready at once, models load on first use.
         audio = await start_audio(root, settings)
-        info: ModelInfo = (
-            await root.start(ModelRunner(build, plans_rx, outputs_tx).run)
-            if side.generation
-            else side.model_info()
+        registry = Registry(
+            _model_sources(settings),
+            partial(_host, settings, build_backend, metrics, side),
+            router=settings.models_dir is not None,
+            max_loaded=settings.models_max,
+            autoload=settings.models_autoload,
+            strict_names=settings.strict_model_names,
+            load_timeout=settings.timeout,
+            drain_timeout=settings.graceful_timeout,
         )
-        if info.max_rows is not None and settings.parallel > info.max_rows:
-            log.warning(
-                "%s cannot decode requests side by side (models/vlm.py, Vision.batchable): "
-                "serving %d at a time instead of --parallel %d",
-                info.model_id,
-                info.max_rows,
-                settings.parallel,
-            )
-            settings = attrs.evolve(settings, parallel=info.max_rows)
-        # Output formats are read off the chat template (and special tokens) once, here.
-        tool_format = choose_tool_format(
-            settings.tool_format, detect_tools(info.chat_template, info.tokenizer.get_vocab())
-        )
-        reasoning = detect_reasoning(info.chat_template)
-        # What the streamer takes out of the text: --reasoning-format none keeps thinking in
-        # it, --skip-chat-parsing keeps everything (the prompt side, tools rendered and
-        # thinking budgets, is unchanged).
-        split_reasoning = None if settings.reasoning_format == "none" else reasoning
-        parse_calls = tool_format
-        if settings.skip_chat_parsing:
-            split_reasoning = parse_calls = None
-        await root.start(
-            Streamer(
-                info.tokenizer,
-                info.eos_token_ids,
-                stream_rx,
-                aborts,
-                metrics,
-                reasoning=split_reasoning,
-                tool_format=parse_calls,
-            ).run
-        )
-        scheduler = Scheduler(
-            parallel=settings.parallel,
-            inbox=tokenized_rx,
-            plans=plans_tx,
-            outputs=outputs_rx,
-            streamer=stream_tx,
-            aborts=aborts,
-            metrics=metrics,
-            join_window=settings.join_window,
-        )
-        await root.start(scheduler.run)
-        tokenizer = TokenizerActor(
-            tokenizer=info.tokenizer,
-            context_length=info.context_length,
-            reasoning=reasoning,
-            n_predict=settings.n_predict,
-            context_shift=settings.context_shift,
-            inbox=submit_rx,
-            outbox=tokenized_tx,
-            tool_format=tool_format,
-            media=info.media,
-        )
-        await root.start(tokenizer.run)
-        gate = Admission if side.generation else GenerationDisabled
-        admission = gate(
-            max_queue_depth=settings.max_queue_depth,
-            outbox=submit_tx,
-            aborts=aborts,
-            parallel=settings.parallel,
-            free_slots=scheduler.free_rows,
-        )
-        await root.start(admission.run)
+        await root.start(registry.run)
         session_store = open_session_store(settings)
         await root.start(session_store.run)
         streams = StreamSessions()
@@ -214,25 +173,23 @@ async def serve(
 
         ctx = ServerContext(
             settings=settings,
+            models=registry,
             embedder=side.embedder,
             reranker=side.reranker,
             generation=side.generation,
-            info=info,
-            pipeline=LocalPipeline(admission, tokenizer, scheduler, tokenized_tx.clone()),
             metrics=metrics,
-            tool_format=tool_format,
             session_store=session_store,
             stt=audio.stt,
             tts=audio.tts,
             streams=streams,
         )
-        metrics.live.scheduler = scheduler.statistics
-        metrics.live.queued = lambda: admission.queued
+        metrics.live.scheduler = registry.statistics
+        metrics.live.queued = lambda: registry.queued
         workers = {"embedding": side.embedder, "rerank": side.reranker}
         metrics.live.side_jobs = lambda: {
             name: (w.queued, w.working) for name, w in workers.items() if w is not None
         }
-        app = InFlight(create_app(ctx, webui=webui))
+        app = InFlight(create_app(ctx, webui=webui), scope=registry.request_scope)
         metrics.live.in_flight = lambda: app.active
         http_stop = trio.Event()
         http_done = trio.Event()
@@ -253,14 +210,15 @@ async def serve(
 
         binds: list[str] = await root.start(run_http)
         ctx.ready = True
-        log.info("serving %s on %s", info.model_id, ", ".join(binds))
+        served = ", ".join(registry.names) if registry.router else registry.loaded()[0].name
+        log.info("serving %s on %s", served, ", ".join(binds))
         task_status.started((binds, ctx))
 
         if stop is None:
             await wait_for_stop_signal()
         else:
             await stop.wait()
-        await drain(admission, ctx.long_lived, app, settings.graceful_timeout)
+        await drain(registry, ctx.long_lived, app, settings.graceful_timeout)
         # Hypercorn's own grace period would also wait for idle keep-alive connections, so it
         # only gets a short one: by now every response has been written.
         http_stop.set()

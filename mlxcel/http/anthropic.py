@@ -21,7 +21,7 @@ from mlxcel.http import sse
 from mlxcel.http.anthropic_blocks import BlockStream, content, stop_reason, usage
 from mlxcel.http.anthropic_wire import MessagesRequest, messages_request
 from mlxcel.http.chat_render import Collected
-from mlxcel.http.context import ServerContext, read_json, server
+from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import start_generation
 from mlxcel.runtime.errors import InternalError, MlxcelError, require_generation
@@ -32,20 +32,21 @@ bp = Blueprint("anthropic", __name__)
 PING = sse.event("ping", {"type": "ping"})
 
 
-async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, str]:
-    """The converted request and the served model id; 400 for what this model cannot do."""
-    require_generation(ctx.generation)
+async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, Model]:
+    """The converted request and the model it names; 400 for what this model cannot do."""
+    raw = await read_json()
+    model = await ctx.model(raw)
+    require_generation(model.generation)
+    tok = model.info.tokenizer
     req = messages_request(
-        await read_json(),
+        raw,
         ctx.settings.sampling,
-        len(ctx.info.tokenizer),
+        len(tok),
         ctx.settings.reasoning_budget,
-        ctx.info.tokenizer,
-        vision=ctx.info.media is not None,
+        tok,
+        vision=model.info.media is not None,
     )
-    model = ctx.check_model(req.body.model)
-    gen = req.generation
-    ctx.check_tools(gen)
+    check_tools(model, req.generation)
     return req, model
 
 
@@ -54,12 +55,12 @@ async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, str]:
 async def messages() -> Response:
     ctx = server()
     req, model = await _parse(ctx)
-    slot = await start_generation(ctx, req.generation)
+    slot = await start_generation(ctx, model, req.generation)
     message = {
         "id": req.generation.request_id,
         "type": "message",
         "role": "assistant",
-        "model": model,
+        "model": model.name,
     }
     if req.body.stream:
         return _stream(ctx, slot, req, message)
@@ -86,8 +87,8 @@ async def messages() -> Response:
 async def count_tokens() -> Response:
     """The prompt's token count, rendered and encoded exactly as generation would."""
     ctx = server()
-    req, _ = await _parse(ctx)
-    n = await trio.to_thread.run_sync(ctx.pipeline.count_tokens, req.generation)
+    req, model = await _parse(ctx)
+    n = await trio.to_thread.run_sync(model.pipeline.count_tokens, req.generation)
     return Response(json.dumps({"input_tokens": n}), content_type="application/json")
 
 

@@ -17,6 +17,7 @@ from mlxcel.http import (
     embeddings,
     health,
     media,
+    models,
     native,
     openai,
     openapi,
@@ -87,6 +88,7 @@ def create_app(ctx: ServerContext, *, webui: bool = True) -> QuartTrio:
         app.register_blueprint(health.bp, name="public_health")
     app.register_blueprint(native.bp, url_prefix=prefix)
     app.register_blueprint(ops.bp, url_prefix=prefix)
+    app.register_blueprint(models.bp, url_prefix=prefix)
     app.register_blueprint(completion.bp, url_prefix=prefix)
     app.register_blueprint(openai.bp, url_prefix=prefix)
     app.register_blueprint(control.bp, url_prefix=prefix)

@@ -15,7 +15,7 @@ import attrs
 from quart import Blueprint, Response
 
 from mlxcel.http import logprobs, sse, structured_wire
-from mlxcel.http.context import ServerContext, read_json, server
+from mlxcel.http.context import Model, ServerContext, read_json, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import start_generation, timings
 from mlxcel.http.openai_wire import new_id, token_ids
@@ -231,7 +231,7 @@ def _refuse(body: NativeCompletionBody) -> None:
 
 
 def _request(
-    body: NativeCompletionBody, prompt: Prompt, n_predict: int | None
+    model: Model, body: NativeCompletionBody, prompt: Prompt, n_predict: int | None
 ) -> GenerationRequest:
     _refuse(body)
     n_probs = body.n_probs if body.n_probs is not None else body.logprobs
@@ -243,7 +243,7 @@ def _request(
         request_id=new_id("cmpl"),
         prompt=prompt,
         sampling=sampling_params(
-            body, ctx.settings.sampling, len(ctx.info.tokenizer), ctx.info.tokenizer
+            body, ctx.settings.sampling, len(model.info.tokenizer), model.info.tokenizer
         ),
         # llama-server: -1 means "until end of sequence or context"; 0 reads the prompt and,
         # as llama-server does, still emits one token.
@@ -266,6 +266,7 @@ def _request(
 class _Call:
     """One completion as asked: what its responses echo and how they are shaped."""
 
+    model: Model
     body: NativeCompletionBody
     gen: GenerationRequest
     prompt_text: str
@@ -296,10 +297,10 @@ def final_object(
         "tokens": tokens or [],
         "id_slot": slot.id_slot,
         "stop": True,
-        "model": ctx.model_id,
+        "model": call.model.name,
         "tokens_predicted": slot.completion_tokens,
         "tokens_evaluated": slot.prompt_tokens,
-        "generation_settings": {"n_ctx": ctx.info.context_length, **settings},
+        "generation_settings": {"n_ctx": call.model.info.context_length, **settings},
         "prompt": call.prompt_text,
         "has_new_line": "\n" in text,
         # Generation stopped because the context was full (llama-server's meaning), or the
@@ -307,7 +308,7 @@ def final_object(
         "truncated": slot.context_shifted
         or (
             finish == "length"
-            and slot.prompt_tokens + slot.completion_tokens >= ctx.info.context_length
+            and slot.prompt_tokens + slot.completion_tokens >= call.model.info.context_length
         ),
         "stop_type": stop_type,
         "stopping_word": slot.stop_word or "",
@@ -333,24 +334,24 @@ def _project(obj: dict[str, Any], fields: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _prompt_text(prompt: Prompt) -> str:
+def _prompt_text(model: Model, prompt: Prompt) -> str:
     if isinstance(prompt, TextPrompt):
         return prompt.text
-    tok = server().info.tokenizer
+    tok = model.info.tokenizer
     return str(tok.decode(list(prompt.tokens))) if isinstance(prompt, TokensPrompt) else ""
 
 
-async def _run(body: NativeCompletionBody, prompts: list[Prompted]) -> Response:
+async def _run(model: Model, body: NativeCompletionBody, prompts: list[Prompted]) -> Response:
     ctx = server()
-    ctx.check_model(body.model)
     asked = _n_predict(body)
     cap = ctx.settings.n_predict
     reported = cap if asked is None or asked < 0 else min(asked, cap) if cap > 0 else asked
     calls = [
         _Call(
+            model,
             body,
-            attrs.evolve(_request(body, p, asked), images=images),
-            _prompt_text(p),
+            attrs.evolve(_request(model, body, p, asked), images=images),
+            _prompt_text(model, p),
             reported,
         )
         for p, images in prompts
@@ -361,7 +362,7 @@ async def _run(body: NativeCompletionBody, prompts: list[Prompted]) -> Response:
     try:
         for call in calls:
             progress = bool(call.body.stream and call.body.return_progress)
-            slots.append(await start_generation(ctx, call.gen, progress=progress))
+            slots.append(await start_generation(ctx, model, call.gen, progress=progress))
     except BaseException:
         for slot in slots:
             slot.cancel()
@@ -403,7 +404,7 @@ async def _collect(ctx: ServerContext, call: _Call, slot: OutputSlot, index: int
 
 
 def _probs(ctx: ServerContext, call: _Call, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-    scored = logprobs.native(ctx.info.tokenizer, lps)
+    scored = logprobs.native(call.model.info.tokenizer, lps)
     if not call.body.post_sampling_probs:
         return scored
     return logprobs.as_probs(scored, greedy=call.gen.sampling.temperature == 0)
@@ -481,17 +482,21 @@ def _stream(ctx: ServerContext, runs: list[tuple[_Call, OutputSlot]]) -> Respons
 @bp.post("/completion")
 @bp.post("/completions")
 async def completion() -> Response:
-    body = structure(await read_json(), NativeCompletionBody)
-    info = server().info
-    return await _run(body, _prompts(body.prompt, info.tokenizer, info.media))
+    raw = await read_json()
+    body = structure(raw, NativeCompletionBody)
+    model = await server().model(raw)
+    info = model.info
+    return await _run(model, body, _prompts(body.prompt, info.tokenizer, info.media))
 
 
 @bp.post("/infill")
 async def infill() -> Response:
-    body = structure(await read_json(), InfillBody)
+    raw = await read_json()
+    body = structure(raw, InfillBody)
     # The request is checked before the model: a malformed one is a 400 on any model.
     extra_chunks = _input_extra(body.input_extra)
-    tok = server().info.tokenizer
+    model = await server().model(raw)
+    tok = model.info.tokenizer
     vocab = tok.get_vocab()
     fim = next((names for names in FIM_TOKENS if all(n in vocab for n in names)), None)
     if fim is None:
@@ -504,4 +509,4 @@ async def infill() -> Response:
     ids += [*tok.encode(body.input_suffix, add_special_tokens=False), mid]
     prompt_text = body.prompt if isinstance(body.prompt, str) else ""
     ids += tok.encode(prompt_text, add_special_tokens=False)
-    return await _run(body, [(TokensPrompt(tokens=tuple(ids)), ())])
+    return await _run(model, body, [(TokensPrompt(tokens=tuple(ids)), ())])

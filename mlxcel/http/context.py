@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -24,7 +25,7 @@ from mlxcel.actors.session_store import SessionStore
 from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime import json_input
-from mlxcel.runtime.errors import InvalidRequest, NotFound
+from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import (
     ForcedToolCall,
     GenerationRequest,
@@ -73,14 +74,102 @@ class Pipeline(Protocol):
         ...
 
 
+class Model(Protocol):
+    """One loaded model as a handler sees it (``actors.hosting.Hosted``)."""
+
+    @property
+    def name(self) -> str:
+        """What responses call it (the ``model`` field)."""
+        ...
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def pipeline(self) -> Pipeline: ...
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """The tool-call format in use (None: --tool-format none, tools are refused)."""
+        ...
+
+    @property
+    def parallel(self) -> int:
+        """Its slots: --parallel, or fewer for a model that cannot batch."""
+        ...
+
+    @property
+    def generation(self) -> bool:
+        """False: no chat model (-m <embedder>): every generation is a 501."""
+        ...
+
+
+class ModelLine(Protocol):
+    """One model of the list, loaded or not (``actors.registry.ModelStatus``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def status(self) -> str:
+        """loaded, loading, unloading, unloaded or failed."""
+        ...
+
+    @property
+    def hosted(self) -> Model | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def loaded_at(self) -> float | None: ...
+
+
+class Models(Protocol):
+    """The models this server serves (``actors.registry.Registry``)."""
+
+    @property
+    def router(self) -> bool:
+        """Router mode (--models-dir): several models, loaded and unloaded by name."""
+        ...
+
+    @property
+    def max_loaded(self) -> int: ...
+    @property
+    def autoload(self) -> bool: ...
+    @property
+    def draining(self) -> bool: ...
+
+    async def get(self, requested: str | None) -> Model:
+        """The model a request names, loaded (router mode: loading it first, or a 400 when
+        models load only on request), and leased to the request until its response ends.
+        Unknown: a 404 listing the names. Cancellation ends the wait."""
+        ...
+
+    def default(self) -> Model | None:
+        """The one model; in router mode the only loaded one, else None."""
+        ...
+
+    def loaded(self) -> Sequence[Model]: ...
+    def listing(self) -> Sequence[ModelLine]: ...
+
+    async def load(self, name: str) -> None:
+        """Start loading a model (router mode); returns at once."""
+        ...
+
+    async def unload(self, name: str) -> None:
+        """Unload a model once what it runs has finished (router mode)."""
+        ...
+
+    def aliases(self, name: str) -> frozenset[str]:
+        """The names a request may call the model ``name`` by."""
+        ...
+
+
 @attrs.define
 class ServerContext:
     settings: Settings
-    info: ModelInfo
-    pipeline: Pipeline
+    models: Models
     metrics: Metrics
-    # The tool-call format in use (None: --tool-format none, tools are refused).
-    tool_format: ToolFormat | None = None
     created: int = attrs.field(factory=lambda: int(time.time()))
     ready: bool = False
     # Realtime WebSockets, closed by the drain with a reason (``runtime.system``).
@@ -104,61 +193,53 @@ class ServerContext:
         s = self.settings
         return s.sse_ping_interval if s.sse_ping_enabled else float("inf")
 
-    @property
-    def model_id(self) -> str:
-        return self.info.model_id
+    async def model(self, requested: object) -> Model:
+        """The model a request names: ``requested`` is the ``model`` field, or the whole
+        JSON body (its ``model`` field read; a wrong type counts as absent, and the body's
+        own parser names it)."""
+        if isinstance(requested, dict):
+            requested = requested.get("model")
+        return await self.models.get(requested if isinstance(requested, str) else None)
 
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        """OpenAI's `system_fingerprint`: which configuration produced an answer, for clients
-        that compare seeded answers. It changes with what changes the numbers: our and mlx's
-        versions, the model and its precision, the BLAS, the device and --batch-invariant."""
-        from importlib.metadata import version
+    def fingerprint(self, model: Model) -> str:
+        """OpenAI's `system_fingerprint` for answers of ``model``."""
+        info = model.info
+        invariant = self.settings.batch_invariant
+        return _fingerprint(info.description, str(info.path), info.device, invariant)
 
-        from mlxcel import __version__
-        from mlxcel.models.blas import preload_blas
 
-        parts = (
-            __version__,
-            version("mlx"),
-            self.info.description,
-            str(self.info.path),
-            preload_blas().name,
-            self.info.device,
-            str(self.settings.batch_invariant),
+@functools.cache
+def _fingerprint(description: str, path: str, device: str, batch_invariant: bool) -> str:
+    """Which configuration produced an answer, for clients that compare seeded answers. It
+    changes with what changes the numbers: our and mlx's versions, the model and its
+    precision, the BLAS, the device and --batch-invariant."""
+    from importlib.metadata import version
+
+    from mlxcel import __version__
+    from mlxcel.models.blas import preload_blas
+
+    parts = (
+        __version__,
+        version("mlx"),
+        description,
+        path,
+        preload_blas().name,
+        device,
+        str(batch_invariant),
+    )
+    return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+
+
+def check_tools(model: Model, gen: GenerationRequest) -> None:
+    """A 400 for a request that offers tools when tool calls are off (--tool-format none)."""
+    if model.tool_format is None and (
+        gen.parse_tools or isinstance(gen.constraint, ForcedToolCall)
+    ):
+        raise InvalidRequest(
+            "Tool calls are turned off on this server (--tool-format none), so it cannot "
+            "call tools.",
+            param="tools",
         )
-        return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
-
-    def check_model(self, requested: str | None) -> str:
-        """The served id for a request's `model` field. Any name is served (llama-server's
-        single-model mode); with --strict-model-names an unknown one is a 404."""
-        if requested is None or not self.settings.strict_model_names:
-            return self.model_id
-        if requested in self.accepted_names:
-            return self.model_id
-        raise NotFound(
-            f"The model '{requested}' does not exist. This server serves '{self.model_id}' "
-            f"(also reachable as 'default').",
-            param="model",
-        )
-
-    def check_tools(self, gen: GenerationRequest) -> None:
-        """A 400 for a request that offers tools when tool calls are off (--tool-format none)."""
-        if self.tool_format is None and (
-            gen.parse_tools or isinstance(gen.constraint, ForcedToolCall)
-        ):
-            raise InvalidRequest(
-                "Tool calls are turned off on this server (--tool-format none), so it cannot "
-                "call tools.",
-                param="tools",
-            )
-
-    @property
-    def accepted_names(self) -> frozenset[str]:
-        names = {self.model_id, "default"}
-        if self.info.path is not None:
-            names.add(self.info.path.name)
-        return frozenset(names)
 
 
 def server() -> ServerContext:

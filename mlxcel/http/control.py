@@ -49,14 +49,17 @@ async def control() -> Response:
         raise InvalidRequest(
             f"unknown control action: expected one of {', '.join(ACTIONS)}", param="action"
         )
-    if not ctx.pipeline.reasons:
+    loaded = ctx.models.loaded()
+    if not any(m.pipeline.reasons for m in loaded):
         return _answer(False, "This model does not reason: its chat template has no thinking")
-    running = ctx.pipeline.statistics().running_request(completion_id)
-    if running is None or running.reasoning_control != key_scope(ctx.settings):
-        return _answer(
-            False,
-            "No running completion with this id has reasoning control enabled "
-            "(send it with reasoning_control: true)",
-        )
-    await ctx.pipeline.control(EndReasoning(completion_id))
-    return _answer(True)
+    # Whichever model runs it (router mode: completion ids are unique across models).
+    for model in loaded:
+        running = model.pipeline.statistics().running_request(completion_id)
+        if running is not None and running.reasoning_control == key_scope(ctx.settings):
+            await model.pipeline.control(EndReasoning(completion_id))
+            return _answer(True)
+    return _answer(
+        False,
+        "No running completion with this id has reasoning control enabled "
+        "(send it with reasoning_control: true)",
+    )

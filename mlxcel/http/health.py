@@ -33,6 +33,6 @@ async def health() -> Response:
     ctx = server()
     if not ctx.ready:
         return error_response(Unavailable("Loading model"), "native")
-    if ctx.pipeline.draining:
+    if ctx.models.draining:
         return error_response(ShuttingDown(), "native")
     return Response('{"status":"ok"}', content_type="application/json")

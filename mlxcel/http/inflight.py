@@ -3,16 +3,28 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import trio
 from hypercorn.typing import ASGIFramework, ASGIReceiveCallable, ASGISendCallable, Scope
 
 
 class InFlight:
     """ASGI middleware around the app; WebSockets and lifespan pass through uncounted (the
-    drain closes realtime sessions itself)."""
+    drain closes realtime sessions itself).
 
-    def __init__(self, app: ASGIFramework) -> None:
+    ``scope`` is entered around every request and WebSocket session (the model registry's
+    leases: a model is not unloaded while a response that uses it is still being sent)."""
+
+    def __init__(
+        self,
+        app: ASGIFramework,
+        scope: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
         self._app = app
+        self._scope = scope
         self.active = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -20,6 +32,10 @@ class InFlight:
     async def __call__(
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
+        if scope["type"] == "websocket":
+            with self._scope():
+                await self._app(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
@@ -27,7 +43,8 @@ class InFlight:
             self._idle = trio.Event()
         self.active += 1
         try:
-            await self._app(scope, receive, send)
+            with self._scope():
+                await self._app(scope, receive, send)
         finally:
             self.active -= 1
             if self.active == 0:

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from mlxcel.actors.token_bytes import piece_for_json, token_bytes
 from mlxcel.http.context import read_json, server
@@ -52,9 +52,8 @@ async def _object_body() -> dict[str, Any]:
 @bp.post("/tokenize")
 async def tokenize() -> Response:
     body = structure(await read_json(), TokenizeBody)
-    ctx = server()
-    ctx.check_model(body.model)  # as every other route: an unknown name is a 404
-    tok = ctx.info.tokenizer
+    # As every other route: an unknown name is a 404 (router mode: this model's tokens).
+    tok = (await server().model(body.model)).info.tokenizer
 
     def encode() -> list[int]:
         return list(
@@ -76,9 +75,7 @@ async def tokenize() -> Response:
 @bp.post("/detokenize")
 async def detokenize() -> Response:
     body = structure(await read_json(), DetokenizeBody)
-    ctx = server()
-    ctx.check_model(body.model)
-    tok = ctx.info.tokenizer
+    tok = (await server().model(body.model)).info.tokenizer
     ids = list(token_ids(body.tokens, len(tok), "tokens"))
     text = await trio.to_thread.run_sync(lambda: tok.decode(ids, skip_special_tokens=False))
     return _json({"content": text})
@@ -87,19 +84,21 @@ async def detokenize() -> Response:
 @bp.post("/apply-template")
 async def apply_template() -> Response:
     body = await _object_body()
-    body.pop("model", None)  # optional here: the served model is implied
-    prompt, _ = await render_chat(body)
+    # Optional here with one model (any name is the served one); router mode: its template.
+    model = await server().model(body.pop("model", None))
+    prompt, _ = await render_chat(model, body)
     return _json({"prompt": prompt})
 
 
 @bp.get("/v1/cache/stats")
 async def cache_stats() -> Response:
     ctx = server()
-    s = ctx.pipeline.statistics().cache
+    model = await ctx.model(request.args.get("model"))
+    s = model.pipeline.statistics().cache
     lookups = s.hits + s.misses
     return _json(
         {
-            "enabled": ctx.settings.cache_enabled and ctx.generation,
+            "enabled": ctx.settings.cache_enabled and model.generation,
             "entries": s.entries,
             "bytes": s.nbytes,
             "max_bytes": ctx.settings.cache_ram_mib << 20 if ctx.settings.cache_enabled else 0,
@@ -114,8 +113,9 @@ async def cache_stats() -> Response:
 @bp.post("/v1/cache/reset")
 async def cache_reset() -> Response:
     ctx = server()
-    require_generation(ctx.generation)  # no chat model: no prompt cache, no compute thread
+    model = await ctx.model(request.args.get("model"))
+    require_generation(model.generation)  # no chat model: no prompt cache, no compute thread
     done = trio.Event()
-    await ctx.pipeline.control(ResetCache(done))
+    await model.pipeline.control(ResetCache(done))
     await done.wait()
     return _json({"success": True})

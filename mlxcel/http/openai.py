@@ -23,7 +23,7 @@ from mlxcel.http import heard, logprobs, media, slot_wire, sse
 from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.audio import audio_model_entries
 from mlxcel.http.chat_render import Collected, message, stream_choices
-from mlxcel.http.context import ServerContext, read_json, server
+from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
 from mlxcel.http.embeddings import side_model_entries
 from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
@@ -85,7 +85,7 @@ PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 
 
 async def start_generation(
-    ctx: ServerContext, gen: GenerationRequest, *, progress: bool = False
+    ctx: ServerContext, model: Model, gen: GenerationRequest, *, progress: bool = False
 ) -> OutputSlot:
     """Submit (503 when the queue is full), then wait until the prompt is tokenized.
 
@@ -94,15 +94,15 @@ async def start_generation(
     if lane not in PRIORITIES:
         raise InvalidRequest("X-Priority must be high, normal or low", param="X-Priority")
     gen = attrs.evolve(gen, priority=PRIORITIES[lane])
-    if gen.n > ctx.settings.parallel:
+    if gen.n > model.parallel:
         # Each choice is a row of the batch, and all of a request's rows run together.
         raise InvalidRequest(
-            f"n must be at most {ctx.settings.parallel} (this server's --parallel)", param="n"
+            f"n must be at most {model.parallel} (this server's --parallel)", param="n"
         )
-    gen = slot_wire.resolve(gen, parallel=ctx.settings.parallel, n_keep=ctx.settings.n_keep)
+    gen = slot_wire.resolve(gen, parallel=model.parallel, n_keep=ctx.settings.n_keep)
     gen = await media.resolve(gen, ctx.settings)
     gen = await heard.transcribe_parts(gen, ctx.stt)
-    slot = ctx.pipeline.submit(gen)
+    slot = model.pipeline.submit(gen)
     if progress:
         slot.track_progress()
     try:
@@ -189,29 +189,37 @@ def _stream(
 @bp.post("/chat/completions")
 async def chat_completions() -> Response:
     ctx = server()
-    require_generation(ctx.generation)
+    raw = await read_json()
+    model = await ctx.model(raw)
+    require_generation(model.generation)
     body, gen = chat_request(
-        await read_json(),
+        raw,
         ctx.settings.sampling,
-        len(ctx.info.tokenizer),
+        len(model.info.tokenizer),
         reasoning_budget=ctx.settings.reasoning_budget,
-        tokenizer=ctx.info.tokenizer,
-        vision=ctx.info.media is not None,
+        tokenizer=model.info.tokenizer,
+        vision=model.info.media is not None,
         hears=ctx.stt is not None and ctx.settings.audio_input,
     )
-    model = ctx.check_model(body.model)
     if body.reasoning_control:
         gen = attrs.evolve(gen, reasoning_control=key_scope(ctx.settings))
-    ctx.check_tools(gen)
-    slot = await start_generation(ctx, gen, progress=bool(body.stream and body.return_progress))
+    check_tools(model, gen)
+    progress = bool(body.stream and body.return_progress)
+    slot = await start_generation(ctx, model, gen, progress=progress)
     created = int(time.time())
-    base = {"id": gen.request_id, "object": "chat.completion", "created": created, "model": model}
-    tok = ctx.info.tokenizer
+    base = {
+        "id": gen.request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model.name,
+    }
+    fingerprint = ctx.fingerprint(model)
+    tok = model.info.tokenizer
     wants_logprobs = gen.logprobs is not None
     alias = ctx.settings.reasoning_alias_field != "none"
     greedy = gen.sampling.temperature == 0
     if body.stream:
-        base = {**base, "object": "chat.completion.chunk", "system_fingerprint": ctx.fingerprint}
+        base = {**base, "object": "chat.completion.chunk", "system_fingerprint": fingerprint}
 
         def finish_choice(reason: str) -> dict[str, Any]:
             return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
@@ -265,7 +273,7 @@ async def chat_completions() -> Response:
     return _json(
         {
             **base,
-            "system_fingerprint": ctx.fingerprint,
+            "system_fingerprint": fingerprint,
             "choices": choices,
             "usage": _usage(slot, ctx),
             "timings": timings(slot),
@@ -273,10 +281,10 @@ async def chat_completions() -> Response:
     )
 
 
-async def render_chat(body: dict[str, Any]) -> tuple[str, int]:
+async def render_chat(model: Model, body: dict[str, Any]) -> tuple[str, int]:
     """A chat request's prompt as the model will read it, and its length in tokens."""
     _, gen = chat_request(body, server().settings.sampling)
-    pipeline = server().pipeline
+    pipeline = model.pipeline
     text = await trio.to_thread.run_sync(pipeline.render, gen)
     n = await trio.to_thread.run_sync(pipeline.count_tokens, gen)
     return text, n
@@ -288,28 +296,26 @@ async def chat_input_tokens() -> Response:
     body = await read_json()
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
-    server().check_model(body.get("model") if isinstance(body.get("model"), str) else None)
-    _, n = await render_chat(body)
+    _, n = await render_chat(await server().model(body), body)
     return _json({"input_tokens": n})
 
 
 @bp.post("/v1/completions")
 async def completions() -> Response:
     ctx = server()
-    require_generation(ctx.generation)
-    body, gen = completion_request(
-        await read_json(), ctx.settings.sampling, len(ctx.info.tokenizer), ctx.info.tokenizer
-    )
-    model = ctx.check_model(body.model)
-    slot = await start_generation(ctx, gen)
+    raw = await read_json()
+    model = await ctx.model(raw)
+    require_generation(model.generation)
+    tok = model.info.tokenizer
+    body, gen = completion_request(raw, ctx.settings.sampling, len(tok), tok)
+    slot = await start_generation(ctx, model, gen)
     base = {
         "id": gen.request_id,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": ctx.fingerprint,
+        "model": model.name,
+        "system_fingerprint": ctx.fingerprint(model),
     }
-    tok = ctx.info.tokenizer
     wants_logprobs = gen.logprobs is not None
     if body.stream:
         emitted = [0] * gen.n  # text offsets, per choice
@@ -341,36 +347,71 @@ async def completions() -> Response:
 @bp.get("/models")
 async def models() -> Response:
     ctx = server()
-    if "anthropic-version" in request.headers and ctx.generation:
-        return _json(model_page(ctx.model_id, ctx.created, ctx.info.context_length))
-    info = ctx.info
-    # llama-server's entry: created is the time of the request, and owned_by is its own.
-    entry = {
-        "id": ctx.model_id,
-        "aliases": sorted(ctx.accepted_names - {ctx.model_id}),
-        "tags": [],
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "llamacpp",
-        "meta": {**info.meta, "n_ctx": info.context_length, "description": info.description},
-    }
-    ollama: dict[str, object] = {
-        "name": ctx.model_id,
-        "model": ctx.model_id,
-        # Ollama's words: "completion", and "vision" for a model that reads images.
-        "capabilities": ["completion", "vision"] if info.media is not None else ["completion"],
-        "details": {"format": weights_format(info.path)},
-    }
-    entry["capabilities"] = ollama["capabilities"]
+    default = ctx.models.default()
+    if "anthropic-version" in request.headers and ctx.generation and not ctx.models.router:
+        assert default is not None
+        return _json(model_page(default.name, ctx.created, default.info.context_length))
+    data: list[dict[str, Any]] = []
+    listed: list[dict[str, Any]] = []
+    if ctx.models.router:
+        for line in ctx.models.listing():
+            entry, ollama = _model_entry(ctx, line.name, line.hosted)
+            # llama-server's router: where each model stands.
+            status: dict[str, Any] = {"value": _STATUS.get(line.status, line.status)}
+            if line.hosted is not None:
+                status["args"] = ["-m", line.source]
+            if line.status == "failed":
+                status.update(failed=True, error=line.error)
+            entry["status"] = status
+            data.append(entry)
+            listed.append(ollama)
+    elif ctx.generation:
+        assert default is not None
+        entry, ollama = _model_entry(ctx, default.name, default)
+        data, listed = [entry], [ollama]
     # Embedder / reranker entries follow; without a chat model only they are listed.
-    data, listed = ([entry], [ollama]) if ctx.generation else ([], [])
-    data += side_model_entries(ctx)
-    data += audio_model_entries(ctx)
+    side = side_model_entries(ctx) + audio_model_entries(ctx)
+    if ctx.models.router:
+        # Served all along (router clients read every entry's status).
+        side = [{**e, "status": {"value": "loaded"}} for e in side]
+    data += side
     listed += [
         {"name": e["id"], "model": e["id"], "capabilities": e["capabilities"]}
         for e in data[len(listed) :]
     ]
     return _json({"object": "list", "data": data, "models": listed})
+
+
+# llama-server's router reports three states; ours has two more on the way.
+_STATUS = {"unloading": "loaded", "failed": "unloaded"}
+
+
+def _model_entry(
+    ctx: ServerContext, name: str, model: Model | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One model's OpenAI entry and its Ollama-style twin (facts only once it is loaded)."""
+    # llama-server's entry: created is the time of the request, and owned_by is its own.
+    entry: dict[str, Any] = {
+        "id": name,
+        "aliases": sorted(ctx.models.aliases(name) - {name}) if model is not None else [],
+        "tags": [],
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "llamacpp",
+    }
+    ollama: dict[str, Any] = {"name": name, "model": name}
+    if model is not None:
+        info = model.info
+        entry["meta"] = {
+            **info.meta,
+            "n_ctx": info.context_length,
+            "description": info.description,
+        }
+        # Ollama's words: "completion", and "vision" for a model that reads images.
+        ollama["capabilities"] = ["completion", "vision"] if info.media else ["completion"]
+        ollama["details"] = {"format": weights_format(info.path)}
+        entry["capabilities"] = ollama["capabilities"]
+    return entry, ollama
 
 
 def weights_format(path: Path | None) -> str:

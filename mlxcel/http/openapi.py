@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 from quart import Blueprint, Quart, Response, current_app
 
-from mlxcel.http import audio, control, conversations, ops, streams
+from mlxcel.http import audio, control, conversations, models, ops, streams
 from mlxcel.http.anthropic_wire import MessagesBody
 from mlxcel.http.audio_wire import SpeechBody
 from mlxcel.http.completion import InfillBody, NativeCompletionBody
@@ -98,6 +98,8 @@ BODIES: dict[str, Body] = {
     "streams.lookup": JsonFields(streams.LOOKUP_FIELDS, streams.LOOKUP_FIELDS),
     "ops.set_lora_adapters": JsonList(),
     "ops.slot_action": JsonFields(ops.SLOT_FIELDS),
+    "models.load": JsonFields(models.FIELDS, models.FIELDS),
+    "models.unload": JsonFields(models.FIELDS, models.FIELDS),
 }
 # Routes taking POST whose body is not read: llama-server's disabled web-UI helpers, the
 # props write (accepted and ignored, as llama-server without --props), actions named in the

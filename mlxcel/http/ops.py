@@ -171,28 +171,41 @@ def template_caps(tokenizer: Any, template: str | None) -> dict[str, bool]:
 @bp.get("/props")
 async def props() -> Response:
     ctx = server()
-    tok = ctx.info.tokenizer
+    named = request.args.get("model")
+    if ctx.models.router and named is None:
+        # llama-server's router answers for itself; ?model=NAME gives that model's props.
+        return _json(
+            {
+                "role": "router",
+                "max_instances": ctx.models.max_loaded,
+                "models_autoload": ctx.models.autoload,
+                "build_info": f"mlxcel-{__version__}",
+            }
+        )
+    model = await ctx.model(named)
+    info = model.info
+    tok = info.tokenizer
     return _json(
         {
             "default_generation_settings": {
                 "id": 0,
-                "n_ctx": ctx.info.context_length,
+                "n_ctx": info.context_length,
                 "params": generation_defaults(ctx),
             },
-            "total_slots": ctx.settings.parallel,
-            "model_alias": ctx.model_id,
-            "model_path": str(ctx.info.path) if ctx.info.path else "",
-            "model_ftype": ctx.info.meta.get("ftype", ""),
-            "chat_template": ctx.info.chat_template or "",
-            "chat_template_caps": template_caps(tok, ctx.info.chat_template),
+            "total_slots": model.parallel,
+            "model_alias": model.name,
+            "model_path": str(info.path) if info.path else "",
+            "model_ftype": info.meta.get("ftype", ""),
+            "chat_template": info.chat_template or "",
+            "chat_template_caps": template_caps(tok, info.chat_template),
             "bos_token": getattr(tok, "bos_token", None) or "",
             "eos_token": getattr(tok, "eos_token", None) or "",
             # What the chat model reads (images: a vision model); the audio routes are in
             # capabilities.
-            "modalities": {"vision": ctx.info.media is not None, "video": False, "audio": False},
+            "modalities": {"vision": info.media is not None, "video": False, "audio": False},
             "build_info": f"mlxcel-{__version__}",
             # mlxcel extension: where the chat model computes ("cpu", "gpu (cuda: NVIDIA H200)").
-            "device": ctx.info.device,
+            "device": info.device,
             # The KV cache is kept in the model's own precision: no KV quantisation here.
             "kv_cache_mode": "full",
             "kv_bits": None,
@@ -200,8 +213,8 @@ async def props() -> Response:
             "geometry": {
                 "n_batch": ctx.settings.prefill_chunk_size,
                 "n_ubatch": ctx.settings.prefill_chunk_size,
-                "n_batch_decode": ctx.settings.parallel,
-                "n_kv_max": ctx.info.context_length,
+                "n_batch_decode": model.parallel,
+                "n_kv_max": info.context_length,
             },
             "endpoint_slots": ctx.settings.slots_endpoint,
             "endpoint_props": ctx.settings.props_endpoint,
@@ -226,7 +239,8 @@ async def slots() -> Response:
     ctx = server()
     if not ctx.settings.slots_endpoint:
         return _gated("slots endpoint", "--slots")
-    items = ctx.pipeline.statistics().slots
+    model = await ctx.model(request.args.get("model"))
+    items = model.pipeline.statistics().slots
     if request.args.get("fail_on_no_slot") in ("1", "true") and all(items):
         return error_response(ServiceError("no slot available"), "native")
     debug = bool(os.environ.get("LLAMA_SERVER_SLOTS_DEBUG"))
@@ -234,7 +248,7 @@ async def slots() -> Response:
     for i, item in enumerate(items):
         entry: dict[str, Any] = {
             "id": i,
-            "n_ctx": ctx.info.context_length,
+            "n_ctx": model.info.context_length,
             "is_processing": item is not None,
             "speculative": ctx.settings.speculating,
             "id_task": -1,
@@ -259,7 +273,7 @@ async def slots() -> Response:
                 "n_decoded": decoded,
             }
             if debug:  # prompts are users' data: shown only when explicitly asked for
-                entry["prompt"] = ctx.pipeline.render(item.request)
+                entry["prompt"] = model.pipeline.render(item.request)
         out.append(entry)
     return _json(out)
 
@@ -300,7 +314,8 @@ async def slot_action(slot_id: str) -> Response:
         raise InvalidRequest(
             f"Invalid action {action!r}: expected one of {', '.join(SLOT_ACTIONS)}", param="action"
         )
-    if not 0 <= slot < ctx.settings.parallel:
+    model = await ctx.model(request.args.get("model"))
+    if not 0 <= slot < model.parallel:
         raise InvalidRequest(f"Invalid slot ID {slot}", param="id_slot")
     path = None
     if action != "erase":
@@ -311,7 +326,7 @@ async def slot_action(slot_id: str) -> Response:
         if not slot_files.valid_filename(filename):
             raise InvalidRequest("Invalid filename", param="filename")
         path = ctx.settings.slot_save_path / str(filename)
-    if ctx.pipeline.statistics().slots[slot] is not None:
+    if model.pipeline.statistics().slots[slot] is not None:
         return error_response(ServiceError("Requested slot is processing"), "native")
     tic = time.perf_counter()
     state = None
@@ -320,15 +335,15 @@ async def slot_action(slot_id: str) -> Response:
         assert path is not None
         try:
             state, n_read = await trio.to_thread.run_sync(
-                slot_files.read, path, ctx.info.description
+                slot_files.read, path, model.info.description
             )
         except slot_files.SlotFileError as error:
             raise InvalidRequest(f"{RESTORE_FAILED}: {error}") from None
-        if len(state.tokens) > ctx.info.context_length:
+        if len(state.tokens) > model.info.context_length:
             raise InvalidRequest("Restored prompt does not fit in the slot context")
     reply = SlotReply(trio.Event())
     kind = cast(SlotKind, action)  # one of SLOT_ACTIONS, checked above
-    await ctx.pipeline.control(SlotAction(kind, slot, reply, state))
+    await model.pipeline.control(SlotAction(kind, slot, reply, state))
     await reply.done.wait()
     if reply.error is not None:
         if action == "restore":
@@ -348,7 +363,7 @@ async def slot_action(slot_id: str) -> Response:
         )
     assert path is not None and reply.state is not None
     n_written = await trio.to_thread.run_sync(
-        slot_files.write, path, reply.state, ctx.info.description
+        slot_files.write, path, reply.state, model.info.description
     )
     return _json(
         {

@@ -126,7 +126,7 @@ def _refusal() -> Response | None:
     if missing is not None:
         error = NotImplementedRoute(f"The realtime voice WebSocket needs {missing}.")
         return Response(json.dumps(envelope(error)), status=501, content_type="application/json")
-    if ctx.pipeline.draining:
+    if ctx.models.draining:
         return error_response(ShuttingDown())
     protocol = websocket.args.get("protocol")
     if protocol not in (None, "openai", "voicechat"):
@@ -154,6 +154,12 @@ async def realtime() -> Response | None:
         return refusal
     ctx = server()
     assert ctx.stt is not None and ctx.tts is not None
+    try:
+        # ?model= names it (OpenAI's clients always send one): any name with one model, a
+        # model of the list in router mode, leased for the whole session.
+        model = await ctx.model(websocket.args.get("model"))
+    except MlxcelError as error:
+        return error_response(error)
     gate = _gate(ctx)
     await websocket.accept(subprotocol="realtime" if "realtime" in _subprotocols() else None)
     if not gate.try_enter():
@@ -180,15 +186,15 @@ async def realtime() -> Response | None:
             OpenAIRealtime() if protocol == "openai" else VoiceChat(ctx.tts.sample_rate)
         )
         deps = VoiceDeps(
-            generation=ctx.pipeline,
+            generation=model.pipeline,
             stt=ctx.stt,
             tts=ctx.tts,
             sampling=ctx.settings.sampling,
-            model_id=ctx.model_id,
+            model_id=model.name,
             vad_model=shared_model,
             vad_limiter=gate.vad_limiter,
-            count_tokens=ctx.pipeline.count_tokens,
-            context_length=ctx.info.context_length,
+            count_tokens=model.pipeline.count_tokens,
+            context_length=model.info.context_length,
         )
         session = RealtimeSession(RealtimeWire(_QuartSocket(), dialect), deps)
         log.info("realtime %s opened (%s)", session.id, dialect.name)

@@ -24,7 +24,7 @@ from quart import Blueprint, Response, request
 
 from mlxcel.actors.session_store import Running, SessionStore
 from mlxcel.http import heard, sse
-from mlxcel.http.context import ServerContext, read_json, server
+from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
 from mlxcel.http.openai import start_generation
 from mlxcel.http.responses_output import OutputBuilder, response_object, usage
 from mlxcel.http.responses_wire import (
@@ -162,6 +162,7 @@ class _Turn:
     def __init__(
         self,
         ctx: ServerContext,
+        model: Model,
         body: ResponsesBody,
         gen: GenerationRequest,
         slot: OutputSlot,
@@ -171,6 +172,7 @@ class _Turn:
         conv: str | None,
     ) -> None:
         self.ctx = ctx
+        self.model = model
         self.slot = slot
         self.base = base
         self.items = items
@@ -178,7 +180,7 @@ class _Turn:
         self.conv = conv
         self.store = store_of(ctx)
         self.builder = OutputBuilder(
-            ctx.info.tokenizer, gen.logprobs is not None, body.max_tool_calls
+            model.info.tokenizer, gen.logprobs is not None, body.max_tool_calls
         )
         self.running = Running(self.snapshot, slot)
         self._seq = 0
@@ -207,7 +209,7 @@ class _Turn:
         reasoning = "".join(self.builder.reasoning_text)
         n_reasoning = 0
         if reasoning:
-            tok = self.ctx.info.tokenizer
+            tok = self.model.info.tokenizer
             n_reasoning = len(
                 await trio.to_thread.run_sync(
                     lambda: tok.encode(reasoning, add_special_tokens=False)
@@ -247,11 +249,11 @@ class _Turn:
         self.store.end_running(self.base["id"])
 
 
-def _input(ctx: ServerContext, value: Any) -> list[dict[str, Any]]:
+def _input(ctx: ServerContext, model: Model, value: Any) -> list[dict[str, Any]]:
     """The input items, reading images on a vision model and audio when a speech-to-text
     model hears it (unless --no-audio-input)."""
     hears = ctx.stt is not None and ctx.settings.audio_input
-    return input_items(value, vision=ctx.info.media is not None, hears=hears)
+    return input_items(value, vision=model.info.media is not None, hears=hears)
 
 
 async def _heard(ctx: ServerContext, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -262,11 +264,11 @@ async def _heard(ctx: ServerContext, items: list[dict[str, Any]]) -> list[dict[s
 @bp.post("/responses")
 async def create() -> Response:
     ctx = server()
-    require_generation(ctx.generation)
     body = parse_body(await read_json())
-    model = ctx.check_model(body.model)
+    model = await ctx.model(body.model)
+    require_generation(model.generation)
     store = store_of(ctx)
-    items = await _heard(ctx, _input(ctx, body.input))
+    items = await _heard(ctx, _input(ctx, model, body.input))
     history, conv = await load_history(store, body)
     rid = new_id("resp")
 
@@ -276,23 +278,23 @@ async def create() -> Response:
             rid,
             context,
             ctx.settings.sampling,
-            len(ctx.info.tokenizer),
+            len(model.info.tokenizer),
             ctx.settings.reasoning_budget,
-            ctx.info.tokenizer,
+            model.info.tokenizer,
         )
 
     gen = build([*history, *items])
     if body.truncation == "auto":
-        gen = await trio.to_thread.run_sync(_truncated, ctx, gen, [*history, *items], build)
-    ctx.check_tools(gen)
+        gen = await trio.to_thread.run_sync(_truncated, model, gen, [*history, *items], build)
+    check_tools(model, gen)
     stored = body.store is not False and store.enabled("responses")
-    base = _echo(ctx, body, rid, model, conv, stored)
+    base = _echo(ctx, body, rid, model.name, conv, stored)
     try:
-        slot = await start_generation(ctx, gen)
+        slot = await start_generation(ctx, model, gen)
     except ContextOverflow as overflow:
         overflow.param = "input"  # Responses has no `messages`
         raise
-    turn = _Turn(ctx, body, gen, slot, base, items, history, conv)
+    turn = _Turn(ctx, model, body, gen, slot, base, items, history, conv)
     store.begin_running(rid, turn.running)
     if body.stream:
         return sse.response(_stream(turn), turn.close)
@@ -313,7 +315,7 @@ async def create() -> Response:
 
 
 def _truncated(
-    ctx: ServerContext,
+    model: Model,
     gen: GenerationRequest,
     context: list[dict[str, Any]],
     build: Callable[[list[dict[str, Any]]], GenerationRequest],
@@ -325,12 +327,12 @@ def _truncated(
     a thread: it encodes the prompt once, and ~log2(turns) more times when it cuts."""
     limit = truncation.budget(
         truncation.Truncation(),
-        context=ctx.info.context_length,
+        context=model.info.context_length,
         instructions=0,
         max_output=gen.max_tokens,
     )
     starts = [i for i, item in enumerate(context) if _starts_turn(item)]
-    count = ctx.pipeline.count_tokens
+    count = model.pipeline.count_tokens
     if not starts or count(gen) <= limit:
         return gen
     first = truncation.first_kept(
@@ -483,17 +485,17 @@ def page(items: list[dict[str, Any]]) -> dict[str, Any]:
 @bp.post("/responses/input_tokens")
 async def input_tokens() -> Response:
     ctx = server()
-    require_generation(ctx.generation)
     body = parse_body(await read_json())
-    ctx.check_model(body.model)
+    model = await ctx.model(body.model)
+    require_generation(model.generation)
     history, _ = await load_history(store_of(ctx), body)
-    items = await _heard(ctx, _input(ctx, body.input)) if body.input is not None else []
+    items = await _heard(ctx, _input(ctx, model, body.input)) if body.input is not None else []
     gen = generation_request(
         body,
         new_id("resp"),
         [*history, *items],
         ctx.settings.sampling,
-        tokenizer=ctx.info.tokenizer,
+        tokenizer=model.info.tokenizer,
     )
-    n = await trio.to_thread.run_sync(ctx.pipeline.count_tokens, gen)
+    n = await trio.to_thread.run_sync(model.pipeline.count_tokens, gen)
     return _json({"object": "response.input_tokens", "input_tokens": n})

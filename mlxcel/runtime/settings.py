@@ -17,6 +17,11 @@ class Settings:
     # llama-server serves any `model` name in single-model mode (clients send their own);
     # strict: a name this server does not serve is a 404 on every route.
     strict_model_names: bool = False
+    # Router mode: the models in this folder, at most models_max loaded at once, loaded on the
+    # first request that names one (autoload) or only when told to (POST /models/load).
+    models_dir: Path | None = None
+    models_max: int = 4
+    models_autoload: bool = True
     host: str = "127.0.0.1"
     port: int = 8080
     # Per-sequence context window; 0 means "what the model was trained for".

@@ -1,5 +1,6 @@
-"""What tests observe behind the handlers' narrow interface: the admission actor that
-``LocalPipeline`` wraps (its queue, its active requests, its drain)."""
+"""What tests observe behind the handlers' narrow interface: the one model's pipeline
+(``LocalPipeline``) and the admission actor it wraps (its queue, its active requests, its
+drain)."""
 
 from __future__ import annotations
 
@@ -10,5 +11,11 @@ from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.http.context import ServerContext
 
 
+def pipeline(ctx: ServerContext) -> LocalPipeline:
+    model = ctx.models.default()
+    assert model is not None, "no model loaded"
+    return cast(LocalPipeline, model.pipeline)
+
+
 def admission(ctx: ServerContext) -> Admission:
-    return cast(LocalPipeline, ctx.pipeline).admission
+    return pipeline(ctx).admission

@@ -18,7 +18,7 @@ import trio
 
 from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.runtime.errors import InternalError
-from tests.support.pipeline import admission
+from tests.support.pipeline import admission, pipeline
 from tests.unit.test_anthropic_wire import WEATHER, check_event_order
 from tests.unit.test_pipeline_fake import fake_server, scripted, wait_until
 
@@ -190,8 +190,8 @@ async def test_pings_while_silent_and_an_error_event_without_message_stop(
                     assert await lines.__anext__() == 'data: {"type":"ping"}'
                 if pings == 2:
                     break
-            assert isinstance(ctx.pipeline, LocalPipeline)  # the live slot, behind the interface
-            slots = ctx.pipeline.scheduler.slot_items()
+            assert isinstance(pipeline(ctx), LocalPipeline)  # the live slot, behind the interface
+            slots = pipeline(ctx).scheduler.slot_items()
             ((item, _choice),) = [i for i in slots if i is not None]
             item.slot.fail(InternalError("Generation error: boom"))
             rest = [line async for line in lines if line]

@@ -18,7 +18,7 @@ from mlxcel.runtime.messages import (
     TokenOut,
 )
 from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
-from tests.support.pipeline import admission
+from tests.support.pipeline import admission, pipeline
 from tests.unit.test_pipeline_fake import (
     CALL,
     HELLO,
@@ -200,7 +200,7 @@ async def test_a_disconnect_aborts_every_choice(smollm_tokenizer: Any) -> None:
         steps = backend.steps
         await wait_until(lambda: backend.rows == 0)  # 100,000 tokens each had they gone on
         assert backend.steps <= steps + 1, "a choice went on after the client left"
-        assert ctx.pipeline.statistics().running == 0 and admission(ctx).queued == 0
+        assert pipeline(ctx).statistics().running == 0 and admission(ctx).queued == 0
 
 
 async def test_n_is_bounded_by_parallel_and_validated(smollm_tokenizer: Any) -> None:

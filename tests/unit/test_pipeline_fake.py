@@ -23,7 +23,7 @@ from mlxcel.http.context import ServerContext
 from mlxcel.runtime.settings import Settings
 from mlxcel.server import serve
 from tests.conftest import free_port
-from tests.support.pipeline import admission
+from tests.support.pipeline import admission, pipeline
 
 HELLO = [19556, 28, 905, 17]  # token ids; decoded below rather than trusted
 
@@ -222,10 +222,10 @@ async def test_statistics_are_a_frozen_copy_taken_between_steps(smollm_tokenizer
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             await wait_until(lambda: backend.steps > 3)
-            during = ctx.pipeline.statistics()
+            during = pipeline(ctx).statistics()
             request_id = next(s for s in during.slots if s is not None).request.request_id
-        await wait_until(lambda: ctx.pipeline.statistics().running == 0)
-        after = ctx.pipeline.statistics()
+        await wait_until(lambda: pipeline(ctx).statistics().running == 0)
+        after = pipeline(ctx).statistics()
     (busy,) = [s for s in during.slots if s is not None]
     assert during.running == 1 and during.rows == 1 and len(during.slots) == 4
     assert busy.decoded_tokens > 0 and busy.max_tokens == 200 and busy.choice == 0
@@ -290,7 +290,7 @@ async def scripted(
         reasoning_template=reasoning_template,
         **kw,
     ) as (client, _, ctx):
-        yield client, ctx.model_id
+        yield client, ctx.models.default().name
 
 
 CALL = (

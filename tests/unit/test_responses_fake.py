@@ -20,7 +20,7 @@ import trio
 
 from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.http.context import ServerContext
-from tests.support.pipeline import admission
+from tests.support.pipeline import admission, pipeline
 from tests.unit.test_pipeline_fake import QWEN_TEMPLATE, fake_server, wait_until
 
 WEATHER_TOOL = {
@@ -50,8 +50,8 @@ async def server(
         tok, script=script, chat_template=QWEN_TEMPLATE, cache_dir=tmp_path, **kw
     ) as (client, backend, ctx):
         prompts: list[str] = []
-        assert isinstance(ctx.pipeline, LocalPipeline)
-        tokenizer = ctx.pipeline.tokenizer
+        assert isinstance(pipeline(ctx), LocalPipeline)
+        tokenizer = pipeline(ctx).tokenizer
         render = tokenizer.render
 
         def recording(request: Any) -> str:

@@ -8,6 +8,7 @@ the prompt's last token, its cache is extracted and the other n - 1 rows start f
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any, cast
@@ -572,9 +573,15 @@ class MlxBackend:
         return donors
 
     def close(self) -> None:
-        """Last call on the compute thread: mlx's per-thread streams must not outlive it."""
+        """Last call on the compute thread: mlx's per-thread streams must not outlive it.
+
+        The model's memory goes back too (router mode unloads models): every array this
+        backend holds is dropped, reference cycles are collected, and mlx's allocator
+        returns the freed buffers instead of keeping them for reuse."""
         self._gen.close()
-        mx.clear_cache()
+        self.__dict__.clear()
+        gc.collect()
+        release_idle_memory()
         release_thread_streams()
 
 
