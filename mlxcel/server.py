@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import attrs
 import trio
@@ -25,7 +26,14 @@ from mlxcel.actors.hosting import Hosted, host_model
 from mlxcel.actors.model_runner.backend import Backend
 from mlxcel.actors.registry import Registry, scan_models_dir
 from mlxcel.actors.session_store import open_session_store
-from mlxcel.actors.side_models import GenerationDisabled, SideModels, start_side_models
+from mlxcel.actors.side_models import (
+    GenerationDisabled,
+    SideModels,
+    info_of,
+    model_kind,
+    side_worker,
+    start_side_models,
+)
 from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.drain import drain
 from mlxcel.http.app import create_app
@@ -98,9 +106,29 @@ async def _host(
     if settings.models_dir is not None:
         # Router mode: each model from its own source, called by its own name.
         own = attrs.evolve(settings, model=source, alias=None)
-        await host_model(
-            name, own, partial(build_mlx_backend, own), metrics, task_status=task_status
-        )
+        kind = await trio.to_thread.run_sync(model_kind, source, own)
+        if kind == "chat":
+            await host_model(
+                name, own, partial(build_mlx_backend, own), metrics, task_status=task_status
+            )
+            return
+        # An embedding or reranking model: its worker, behind a pipeline that answers 501
+        # to generation (as -m <embedder> does).
+        role: Literal["embedding", "rerank"] = "rerank" if kind == "classifier" else "embedding"
+        worker = side_worker(source, role, own, name)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            await host_model(
+                name,
+                own,
+                None,
+                metrics,
+                side_info=info_of(worker),
+                disabled=GenerationDisabled,
+                embedder=worker if role == "embedding" else None,
+                reranker=worker if role == "rerank" else None,
+                task_status=task_status,
+            )
     elif side.generation:
         build = build_backend or partial(build_mlx_backend, settings)
         await host_model(None, settings, build, metrics, task_status=task_status)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from mlxcel.actors.own_thread import run_on_own_thread
 from mlxcel.models.embedder_info import EmbedderInfo, Encoded
 from mlxcel.runtime.errors import InternalError, MlxcelError, ServerBusy, Timeout, Unavailable
 from mlxcel.runtime.messages import Embedded, EmbedderInbox, EmbedInput, EmbedTexts, ScorePairs
@@ -109,27 +110,43 @@ class Embedder:
     async def run(
         self, *, task_status: trio.TaskStatus[EmbedderInfo] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Load the model on a fresh thread, report ready, then serve jobs until cancelled.
+        """Load the model on a thread of its own (``actors.own_thread``), report ready, then
+        serve jobs until cancelled.
 
-        Cancellation reaches the thread at its next wait for a job; a micro-batch in progress
-        finishes first (mlx work cannot be interrupted).
+        Cancellation closes the job queue, which reaches the thread at its next wait for a
+        job; a micro-batch in progress finishes first (mlx work cannot be interrupted).
         """
-        await trio.to_thread.run_sync(self._thread_main, task_status, abandon_on_cancel=False)
+        stopping = False
 
-    def _started(self, task_status: trio.TaskStatus[EmbedderInfo], info: EmbedderInfo) -> None:
-        self.info = info
-        task_status.started(info)
+        def started(info: EmbedderInfo) -> None:
+            self.info = info
+            if not stopping:
+                task_status.started(info)
 
-    def _thread_main(self, task_status: trio.TaskStatus[EmbedderInfo]) -> None:
+        def stop() -> None:
+            nonlocal stopping
+            stopping = True
+            self._rx.close()
+
+        await run_on_own_thread(
+            lambda token: self._thread_main(started, token),
+            name="mlxcel-embedder",
+            on_cancel=stop,
+        )
+
+    def _thread_main(
+        self, started: Callable[[EmbedderInfo], None], token: trio.lowlevel.TrioToken
+    ) -> None:
+        self._token = token
         try:
             backend = self._build()
-            trio.from_thread.run_sync(self._started, task_status, backend.info)
+            trio.from_thread.run_sync(started, backend.info, trio_token=token)
             while True:
                 try:
-                    first = trio.from_thread.run(self._rx.receive)
-                except trio.EndOfChannel:
+                    first = trio.from_thread.run(self._rx.receive, trio_token=token)
+                except (trio.EndOfChannel, trio.ClosedResourceError):
                     return
-                jobs = [first, *trio.from_thread.run_sync(self._drain)]
+                jobs = [first, *trio.from_thread.run_sync(self._drain, trio_token=token)]
                 self.working = len(jobs)
                 try:
                     self._serve(backend, jobs)
@@ -217,7 +234,7 @@ class Embedder:
     ) -> None:
         reply = message.reply
         if error is not None:
-            trio.from_thread.run_sync(reply.set_error, error)
+            trio.from_thread.run_sync(reply.set_error, error, trio_token=self._token)
         else:
             assert result is not None
-            trio.from_thread.run_sync(reply.set_result, result)
+            trio.from_thread.run_sync(reply.set_result, result, trio_token=self._token)

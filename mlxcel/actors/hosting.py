@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from mlxcel.actors.admission import Admission
+from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
 from mlxcel.actors.model_runner.runner import ModelRunner
 from mlxcel.actors.pipeline import LocalPipeline
@@ -49,6 +50,9 @@ class Hosted:
     parallel: int
     # False: a server without a chat model (-m <embedder>): every generation is a 501.
     generation: bool = True
+    # Router mode: an embedding or reranking model of the list is served by its worker.
+    embedder: Embedder | None = None
+    reranker: Embedder | None = None
 
     @property
     def admission(self) -> Admission:
@@ -72,6 +76,8 @@ async def host_model(
     *,
     side_info: ModelInfo | None = None,
     disabled: type[Admission] | None = None,
+    embedder: Embedder | None = None,
+    reranker: Embedder | None = None,
     task_status: trio.TaskStatus[Hosted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Load the model, start its actors, report it as ``Hosted``, then run until cancelled.
@@ -173,5 +179,7 @@ async def host_model(
                 tool_format,
                 settings.parallel,
                 generation=disabled is None,
+                embedder=embedder,
+                reranker=reranker,
             )
         )

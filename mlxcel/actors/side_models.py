@@ -82,6 +82,32 @@ def _build(
     return model
 
 
+def side_worker(
+    spec: str, role: Literal["embedding", "rerank"], settings: Settings, model_id: str | None
+) -> Embedder:
+    """An embedding or reranking worker for ``spec`` (start it with ``nursery.start(.run)``:
+    ready once loaded and warmed up); ``model_id`` names it in answers."""
+    return Embedder(
+        partial(_build, spec, role, settings, model_id),
+        batch_size=settings.embedding_batch_size,
+        queue_depth=settings.embedding_queue_depth,
+        timeout=settings.embedding_request_timeout_secs,
+    )
+
+
+def model_kind(spec: str, settings: Settings) -> str:
+    """What ``spec`` is: "chat", or an embedder ("encoder", "decoder") or a cross-encoder
+    ("classifier"). Blocking (reads the folder): call it in a thread."""
+    from mlxcel.models.embedding import detect_kind, resolve_embedding_model
+
+    return detect_kind(resolve_embedding_model(spec, settings.cache_dir).path)
+
+
+def info_of(worker: Embedder) -> ModelInfo:
+    """A side model's facts as a chat model's are described (no generation)."""
+    return SideModels(generation=False, embedder=worker).model_info()
+
+
 def _main_kind(settings: Settings) -> str:
     from mlxcel.models.embedding import detect_kind, resolve_embedding_model
 
@@ -106,12 +132,7 @@ async def start_side_models(
     alias = settings.alias if not side.generation else None
 
     def worker(spec: str, role: Literal["embedding", "rerank"], main: bool) -> Embedder:
-        return Embedder(
-            partial(_build, spec, role, settings, alias if main else None),
-            batch_size=settings.embedding_batch_size,
-            queue_depth=settings.embedding_queue_depth,
-            timeout=settings.embedding_request_timeout_secs,
-        )
+        return side_worker(spec, role, settings, alias if main else None)
 
     if embed_spec is not None:
         side.embedder = worker(embed_spec, "embedding", embed_spec == settings.model)

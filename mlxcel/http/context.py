@@ -103,6 +103,16 @@ class Model(Protocol):
         """False: no chat model (-m <embedder>): every generation is a 501."""
         ...
 
+    @property
+    def embedder(self) -> Embedder | None:
+        """Router mode: the worker of an embedding model of the list (None: a chat model)."""
+        ...
+
+    @property
+    def reranker(self) -> Embedder | None:
+        """Router mode: the worker of a reranking (cross-encoder) model of the list."""
+        ...
+
 
 class ModelLine(Protocol):
     """One model of the list, loaded or not (``actors.registry.ModelStatus``)."""

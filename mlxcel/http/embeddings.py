@@ -70,8 +70,29 @@ class RerankBody:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _embedder(ctx: ServerContext) -> Embedder:
-    embedder: Embedder | None = ctx.embedder
+async def _workers(
+    ctx: ServerContext, requested: str | None
+) -> tuple[Embedder | None, Embedder | None, str | None]:
+    """The embedder and the reranker a request reaches, and the name its answer gives (None:
+    the worker's own). Router mode: the embedding or reranking model it names from the list
+    (a chat model there is a 400), or the side models of --embedding-model / --reranker-model
+    when it names one of them or none."""
+    side = [w for w in (ctx.embedder, ctx.reranker) if w is not None and w.info is not None]
+    if not ctx.models.router or (
+        (requested is None and side) or any(w.info and w.info.model_id == requested for w in side)
+    ):
+        return ctx.embedder, ctx.reranker, None
+    model = await ctx.model(requested)
+    if model.embedder is None and model.reranker is None:
+        raise InvalidRequest(
+            f"The model '{model.name}' is a chat model: embeddings and reranking need an "
+            "embedding or reranking model of the list.",
+            param="model",
+        )
+    return model.embedder, model.reranker, model.name
+
+
+def _embedder(embedder: Embedder | None) -> Embedder:
     if embedder is None or embedder.info is None:
         raise NotImplementedRoute(
             "This server has no embedding model loaded. Start it with "
@@ -249,11 +270,12 @@ def _usage(tokens: int) -> dict[str, int]:
 @bp.post("/v1/embeddings")
 async def openai_embeddings() -> Response:
     ctx = server()
-    embedder = _embedder(ctx)
+    body = structure(await read_json(), EmbeddingsBody)
+    worker, _, name = await _workers(ctx, body.model)
+    embedder = _embedder(worker)
     info = embedder.info
     assert info is not None
-    body = structure(await read_json(), EmbeddingsBody)
-    model = _check_model(body.model, info, ctx)
+    model = name or _check_model(body.model, info, ctx)
     fmt = body.encoding_format or "float"
     if fmt not in ENCODING_FORMATS:
         raise InvalidRequest("encoding_format must be 'float' or 'base64'", param="encoding_format")
@@ -284,11 +306,13 @@ async def openai_embeddings() -> Response:
 @bp.post("/embeddings")
 async def native_embeddings() -> Response:
     ctx = server()
-    embedder = _embedder(ctx)
+    body = structure(await read_json(), NativeEmbeddingsBody)
+    worker, _, name = await _workers(ctx, body.model)
+    embedder = _embedder(worker)
     info = embedder.info
     assert info is not None
-    body = structure(await read_json(), NativeEmbeddingsBody)
-    _check_model(body.model, info, ctx)
+    if name is None:
+        _check_model(body.model, info, ctx)
     mode = _normalize_mode(body.embd_normalize, ctx)
     value, key = (body.input, "input") if body.input is not None else (body.content, "content")
     inputs = parse_inputs(value, info, key)
@@ -319,19 +343,18 @@ def _text_of(value: Any) -> str | None:
 @bp.post("/v1/reranking")
 async def rerank() -> Response:
     ctx = server()
-    reranker: Embedder | None = ctx.reranker
+    body = structure(await read_json(), RerankBody)
+    embedder, reranker, name = await _workers(ctx, body.model)
     if reranker is None or reranker.info is None:
-        embedder = ctx.embedder
         if embedder is None or embedder.info is None:
             raise NotImplementedRoute(
                 "This server has no reranking model loaded. Start it with --reranker-model "
                 "<cross-encoder> (or --embedding-model <model> to rerank by embedding cosine)."
             )
-    worker = reranker if reranker is not None and reranker.info is not None else _embedder(ctx)
+    worker = reranker if reranker is not None and reranker.info is not None else _embedder(embedder)
     info = worker.info
     assert info is not None
-    body = structure(await read_json(), RerankBody)
-    model = _check_model(body.model, info, ctx)
+    model = name or _check_model(body.model, info, ctx)
     if body.instruction is not None:
         raise InvalidRequest(
             "'instruction' is only accepted by generative rerankers", param="instruction"

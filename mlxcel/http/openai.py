@@ -407,8 +407,12 @@ def _model_entry(
             "n_ctx": info.context_length,
             "description": info.description,
         }
-        # Ollama's words: "completion", and "vision" for a model that reads images.
-        ollama["capabilities"] = ["completion", "vision"] if info.media else ["completion"]
+        # Ollama's words: "completion", and "vision" for a model that reads images; router
+        # mode's embedding and reranking models say what they serve.
+        if model.embedder is not None or model.reranker is not None:
+            ollama["capabilities"] = ["embedding"] if model.embedder is not None else ["rerank"]
+        else:
+            ollama["capabilities"] = ["completion", "vision"] if info.media else ["completion"]
         ollama["details"] = {"format": weights_format(info.path)}
         entry["capabilities"] = ollama["capabilities"]
     return entry, ollama

