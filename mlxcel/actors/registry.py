@@ -65,7 +65,12 @@ class Entry:
 
     @property
     def busy(self) -> bool:
-        return self.leases > 0 or (self.hosted is not None and self.hosted.admission.active > 0)
+        """Requests hold it, wait for it (a model just loaded is theirs first), or run on it."""
+        return (
+            self.leases > 0
+            or self.waiters > 0
+            or (self.hosted is not None and self.hosted.admission.active > 0)
+        )
 
 
 @attrs.frozen
@@ -235,7 +240,12 @@ class Registry:
                     if entry.status in (UNLOADED, FAILED):
                         self._enqueue(entry)
                     tried = tried or entry.status == LOADING
-                    await self._changed.wait()
+                    # A model also goes idle without a lease ending (a background generation
+                    # finishing): look for room again now and then.
+                    with trio.move_on_after(0.5):
+                        await self._changed.wait()
+                    if entry in self._queue:
+                        self._pump()
             assert waited.cancelled_caught
             raise Timeout(f"The model '{entry.name}' did not load within {self._load_timeout:g} s")
         finally:
@@ -268,6 +278,7 @@ class Registry:
                 entry.last_used = time.monotonic()
             if held:
                 self._notify()
+                self._pump()  # a model that went idle may make room for a queued one
 
     # --- loading and unloading ----------------------------------------------------------
 
@@ -292,10 +303,8 @@ class Registry:
             entry.status, entry.pinned_load = UNLOADED, False
             self._notify()
             return
-        if entry.scope is not None:
-            # In the registry's nursery: a client that leaves does not leave it half done.
-            assert self._nursery is not None
-            self._nursery.start_soon(self._unload, entry)
+        # In the registry's nursery: a client that leaves does not leave it half done.
+        self._begin_unload(entry)
         while entry.scope is not None:
             await self._changed.wait()
 
@@ -329,7 +338,7 @@ class Registry:
                     return  # a lease ending or a load finishing pumps again
                 victim = min(idle, key=lambda e: e.last_used)
                 log.info("unloading %s (least recently used) to make room", victim.name)
-                self._nursery.start_soon(self._unload, victim)
+                self._begin_unload(victim)
                 return
             entry = self._queue.pop(0)
             entry.pinned_load = False
@@ -348,6 +357,7 @@ class Registry:
                     entry.last_used = time.monotonic()
                     log.info("loaded %s in %.1f s", entry.name, time.perf_counter() - started)
                     self._notify()
+                    self._pump()
         except Exception as exc:  # a failed load is reported, the other models serve on
             entry.error = _cause(exc)
             log.error("loading %s failed: %s", entry.name, entry.error, exc_info=exc)
@@ -364,13 +374,20 @@ class Registry:
             self._notify()
             self._pump()
 
+    def _begin_unload(self, entry: Entry) -> None:
+        """Mark it unloading now (so room is not made twice) and unload it in the registry's
+        nursery."""
+        if entry.scope is None or entry.status == UNLOADING:
+            return
+        assert self._nursery is not None
+        entry.status = UNLOADING
+        self._notify()
+        self._nursery.start_soon(self._unload, entry)
+
     async def _unload(self, entry: Entry) -> None:
         """Stop the model's pipeline once what it runs has finished."""
         hosted, scope = entry.hosted, entry.scope
-        if scope is None or entry.status == UNLOADING:
-            return
-        entry.status = UNLOADING
-        self._notify()
+        assert scope is not None
         if hosted is not None:
             hosted.admission.drain()
             with trio.move_on_after(self._drain_timeout):

@@ -180,6 +180,8 @@ async def props() -> Response:
                 "max_instances": ctx.models.max_loaded,
                 "models_autoload": ctx.models.autoload,
                 "build_info": f"mlxcel-{__version__}",
+                # mlxcel extension, as in a model's props: the side and speech models served.
+                "capabilities": capabilities_props(ctx) | audio_capabilities(ctx),
             }
         )
     model = await ctx.model(named)
