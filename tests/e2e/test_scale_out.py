@@ -160,6 +160,31 @@ def test_the_replicas_are_two_processes_and_headers_pin_a_replica(cluster: Clust
     assert plain == {"replica1", "replica2"}
 
 
+def test_a_dropped_stream_resumes_through_the_balancer(cluster: Cluster) -> None:
+    lb = cluster.lb.base_url
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "stream": True,
+        "max_tokens": 64,
+    }
+    # Several ids: a replay sent to a replica at random would miss for some of them.
+    for cid in ("conv_one", "conv_two", "conv_three", "conv_four"):
+        with httpx.stream(
+            "POST", f"{lb}/v1/chat/completions", json=body,
+            headers={"X-Conversation-Id": cid}, timeout=60,
+        ) as r:  # fmt: skip
+            assert r.status_code == 200
+            served = r.headers["X-Served-By"]
+            for _ in r.iter_raw():
+                break  # hang up after the first bytes; the generation runs on
+        # The replay names the id only in its query: it reaches the replica that holds it.
+        replay = httpx.get(f"{lb}/v1/stream", params={"conv_id": cid}, timeout=60)
+        assert replay.status_code == 200, (cid, replay.text)
+        assert replay.headers["X-Served-By"] == served
+        assert replay.content.rstrip().endswith(b"data: [DONE]")
+
+
 def test_stored_on_one_replica_used_through_the_other(cluster: Cluster) -> None:
     a, b = sdk(cluster.a.base_url), sdk(cluster.b.base_url)
     first = a.responses.create(model="default", input="Hello", max_output_tokens=8)
@@ -180,6 +205,21 @@ def test_stored_on_one_replica_used_through_the_other(cluster: Cluster) -> None:
     assert b.responses.delete(first.id) is None
     with pytest.raises(openai.NotFoundError):
         a.responses.retrieve(first.id)
+
+
+def test_a_conversation_is_shared(cluster: Cluster) -> None:
+    a, b = sdk(cluster.a.base_url), sdk(cluster.b.base_url)
+    conv = a.conversations.create(metadata={"topic": "scale-out"})
+    # A turn on B, and another on A, both land in the one conversation.
+    b.responses.create(model="default", input="One", conversation=conv.id, max_output_tokens=4)
+    a.responses.create(model="default", input="Two", conversation=conv.id, max_output_tokens=4)
+    items = b.conversations.items.list(conv.id, order="asc").data
+    users = [i.model_dump() for i in items if i.type == "message" and i.role == "user"]
+    assert [u["content"][0]["text"] for u in users] == ["One", "Two"]
+    assert b.conversations.retrieve(conv.id).metadata == {"topic": "scale-out"}
+    b.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        a.conversations.retrieve(conv.id)
 
 
 def test_a_stream_on_one_replica_is_cancelled_through_the_other(cluster: Cluster) -> None:
