@@ -236,3 +236,27 @@ async def test_cancelling_a_running_response_is_a_message_its_owner_finishes() -
         assert answers == [{"id": "resp_a", "status": "cancelled"}]
         assert store.running_ids() == () and store.running_snapshot("resp_a") is None
         nursery.cancel_scope.cancel()
+
+
+def test_the_store_flag_picks_the_backend(tmp_path: Path) -> None:
+    import argparse
+
+    from mlxcel.actors.session_store import open_session_store
+    from mlxcel.cli import add_serve_flags, settings_from
+    from mlxcel.runtime.settings import Settings
+
+    default = open_session_store(Settings(cache_dir=tmp_path))
+    assert default.path == tmp_path / "sessions.sqlite3" and not default.shared
+    a_file = open_session_store(Settings(cache_dir=tmp_path, store=str(tmp_path / "x.db")))
+    assert a_file.path == tmp_path / "x.db" and not a_file.shared
+    url = "postgresql://u:p@db:5432/mlxcel"
+    assert open_session_store(Settings(cache_dir=tmp_path, store=url)).shared
+    # Both stores off: nothing is written anywhere, PostgreSQL included.
+    off = Settings(
+        cache_dir=tmp_path, store=url, responses_store_max_entries=0,
+        conversation_store_max_entries=0,
+    )  # fmt: skip
+    assert open_session_store(off).path == ":memory:"
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    assert settings_from(parser.parse_args(["--store", url])).store == url
