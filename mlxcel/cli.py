@@ -738,6 +738,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         ),
     ):
         opt(flag, env=env, type=kind, default=default, help=what)
+    opt(
+        "--store",
+        env="MLXCEL_STORE",
+        metavar="URL|PATH",
+        help="where stored Responses and conversations live: a postgresql:// URL shared by "
+        "replicas (see docs/how-to/scale-out.md) or a SQLite file; default: "
+        "<cache dir>/sessions.sqlite3",
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)")
     cli_compat.add_flags(p)
 
@@ -988,6 +996,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         conversation_store_max_entries=args.conversation_store_max_entries,
         conversation_store_max_bytes=args.conversation_store_max_bytes,
         conversation_store_ttl_secs=args.conversation_store_ttl_secs,
+        store=args.store,
         reasoning_budget=args.reasoning_budget,
         chat_template=chat_template(args),
         reasoning_format=args.reasoning_format,

@@ -98,6 +98,16 @@ class ServerProcess:
         return int(self.proc.returncode)
 
 
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Any]:
+    """A throwaway PostgreSQL on loopback (fails, never skips, when it is not installed)."""
+    from tests.support.postgres import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(

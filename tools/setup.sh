@@ -29,6 +29,13 @@ if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
   fi
+  if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || ! command -v haproxy >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"
+    # A shared session store and a load balancer for the scale-out tests
+    # (tests/e2e/test_scale_out.py, tests/unit/test_session_pg.py; docs/how-to/scale-out.md).
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql haproxy >/dev/null
+  fi
 fi
 
 PY="${PYTHON:-python3}"

@@ -53,6 +53,9 @@ class Limits:
 
 
 class SessionDB:
+    # One process owns the file: running responses stay in the actor's own registry.
+    shared = False
+
     def __init__(
         self,
         path: Path | str,
@@ -151,6 +154,23 @@ class SessionDB:
             f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM {table}"
         ).fetchone()
         return int(n), int(b)
+
+    # --- the cluster's calls: nothing to share with an embedded file ------------------------
+
+    def mark_running(self, key: str, body: dict[str, Any]) -> None:
+        pass
+
+    def unmark_running(self, key: str) -> None:
+        pass
+
+    def running_body(self, key: str) -> dict[str, Any] | None:
+        return None
+
+    def notify_cancel(self, key: str) -> None:
+        pass
+
+    def sweep(self) -> bool:
+        return False
 
     # --- internals -------------------------------------------------------------------------
 

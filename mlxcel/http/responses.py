@@ -401,12 +401,19 @@ async def _stored(rid: str) -> dict[str, Any]:
 @bp.get("/v1/responses/<rid>")
 @bp.get("/responses/<rid>")
 async def retrieve(rid: str) -> Response:
-    snapshot = store_of(server()).running_snapshot(rid)
+    store = store_of(server())
+    snapshot = store.running_snapshot(rid)
     if snapshot is not None:
         return _json(snapshot)
     if request.args.get("stream") in ("true", "1"):
         raise InvalidRequest("streaming a stored response again is not supported", param="stream")
-    return _json((await _stored(rid))["response"])
+    try:
+        return _json((await _stored(rid))["response"])
+    except NotFound:
+        # With a shared store another replica may be generating it: it shows as it started.
+        if (elsewhere := await store.shared_running(rid)) is None:
+            raise
+        return _json(elsewhere)
 
 
 @bp.delete("/v1/responses/<rid>")

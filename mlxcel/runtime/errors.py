@@ -15,7 +15,8 @@ status code and to the error envelope of the API family that was called, in one 
     ├── ServiceError                 the server cannot serve it now (5xx)
     │   ├── ServerBusy               503: admission queue full (before any SSE byte)
     │   ├── Unavailable              503: model loading
-    │   │   └── ShuttingDown         503: draining after SIGTERM (with Retry-After)
+    │   │   ├── ShuttingDown         503: draining after SIGTERM (with Retry-After)
+    │   │   └── StoreUnavailable     503: the shared session store (PostgreSQL) is unreachable
     │   ├── NotImplementedRoute      501: a route whose model kind is not loaded
     │   └── Timeout                  504
     └── InternalError                500: a bug or a failed computation
@@ -117,6 +118,12 @@ class ShuttingDown(Unavailable):
 
     def __init__(self, message: str = "The server is shutting down.") -> None:
         super().__init__(message)
+
+
+class StoreUnavailable(Unavailable):
+    # The shared PostgreSQL store is down or unreachable: store operations answer this while
+    # requests that need no store are still served.
+    retry_after = 1
 
 
 class NotImplementedRoute(ServiceError):

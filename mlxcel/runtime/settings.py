@@ -130,6 +130,9 @@ class Settings:
     conversation_store_max_entries: int = 256
     conversation_store_max_bytes: int = 67108864
     conversation_store_ttl_secs: float = 3600.0
+    # --store: a postgresql:// URL (replicas share it) or a SQLite file; None: SQLite under
+    # cache_dir.
+    store: str | None = None
     # Default thinking budget for requests that set none: -1 unlimited, 0 none, N tokens.
     reasoning_budget: int = -1
     # A chat template (Jinja) to use instead of the model's own (--chat-template[-file]).

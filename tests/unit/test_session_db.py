@@ -1,5 +1,6 @@
-"""The session store's SQLite database: limits, TTL, restart, and a writer killed mid-write;
-and the actor's registry of running responses, which a cancel reaches by message."""
+"""The session store's databases: limits and TTL on both SQLite and PostgreSQL (a real one on
+loopback); SQLite's restart and a writer killed mid-write; and the actor's registry of running
+responses, which a cancel reaches by message. PostgreSQL's own parts: test_session_pg.py."""
 
 from __future__ import annotations
 
@@ -7,13 +8,17 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
+import pytest
 import trio
 import trio.testing
 
 from mlxcel.actors.session_db import Limits, SessionDB, Table
+from mlxcel.actors.session_pg import PgSessionDB
 from mlxcel.actors.session_store import Running, SessionStore
 from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
 
@@ -27,8 +32,39 @@ def limits(**responses: float) -> dict[Table, Limits]:
     }
 
 
-def test_entry_bound_evicts_the_oldest(tmp_path: Path) -> None:
-    db = SessionDB(tmp_path / "s.sqlite3", limits(max_entries=3))
+Opener = Callable[..., SessionDB | PgSessionDB]
+
+
+def empty_postgres(url: str) -> str:
+    """The store's tables emptied (the schema stays), for a test that starts from nothing."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        exists = conn.execute("SELECT to_regclass('mlxcel_responses')").fetchone()
+        if exists and exists[0]:
+            conn.execute("TRUNCATE mlxcel_responses, mlxcel_conversations, mlxcel_running")
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Opener]:
+    """Opens the backend under test with the given limits (and clock); closes it after."""
+    opened: list[SessionDB | PgSessionDB] = []
+
+    def open_one(lim: dict[Table, Limits], **kw: Any) -> SessionDB | PgSessionDB:
+        if request.param == "sqlite":
+            db: SessionDB | PgSessionDB = SessionDB(tmp_path / "s.sqlite3", lim, **kw)
+        else:
+            url = empty_postgres(request.getfixturevalue("postgres").url)
+            db = PgSessionDB(url, lim, **kw)
+        opened.append(db)
+        return db
+
+    yield open_one
+    for db in opened:
+        db.close()
+
+
+def test_entry_bound_evicts_the_oldest(open_db: Opener) -> None:
+    db = open_db(limits(max_entries=3))
     for i in range(5):
         assert db.put("responses", f"r{i}", {"n": i})
     assert [db.get("responses", f"r{i}") for i in range(5)] == [
@@ -44,8 +80,8 @@ def test_entry_bound_evicts_the_oldest(tmp_path: Path) -> None:
     assert db.count("responses")[0] == 3
 
 
-def test_byte_bound_evicts_until_the_total_fits(tmp_path: Path) -> None:
-    db = SessionDB(tmp_path / "s.sqlite3", limits(max_bytes=100))
+def test_byte_bound_evicts_until_the_total_fits(open_db: Opener) -> None:
+    db = open_db(limits(max_bytes=100))
     body = {"text": "x" * 30}  # 41 bytes of JSON
     for i in range(4):
         db.put("responses", f"r{i}", body)
@@ -57,9 +93,9 @@ def test_byte_bound_evicts_until_the_total_fits(tmp_path: Path) -> None:
     assert db.get("responses", "big") is None and db.count("responses")[0] == 2
 
 
-def test_ttl_with_a_fake_clock(tmp_path: Path) -> None:
+def test_ttl_with_a_fake_clock(open_db: Opener) -> None:
     now = [1000.0]
-    db = SessionDB(tmp_path / "s.sqlite3", limits(ttl_secs=60), clock=lambda: now[0])
+    db = open_db(limits(ttl_secs=60), clock=lambda: now[0])
     db.put("responses", "old", {"n": 1})
     now[0] += 30
     db.put("responses", "young", {"n": 2})
@@ -71,8 +107,8 @@ def test_ttl_with_a_fake_clock(tmp_path: Path) -> None:
     assert db.count("responses")[0] == 1
 
 
-def test_zero_entries_stores_nothing(tmp_path: Path) -> None:
-    db = SessionDB(tmp_path / "s.sqlite3", limits(max_entries=0))
+def test_zero_entries_stores_nothing(open_db: Opener) -> None:
+    db = open_db(limits(max_entries=0))
     assert not db.put("responses", "r", {"n": 1})
     assert db.get("responses", "r") is None
 
@@ -200,3 +236,27 @@ async def test_cancelling_a_running_response_is_a_message_its_owner_finishes() -
         assert answers == [{"id": "resp_a", "status": "cancelled"}]
         assert store.running_ids() == () and store.running_snapshot("resp_a") is None
         nursery.cancel_scope.cancel()
+
+
+def test_the_store_flag_picks_the_backend(tmp_path: Path) -> None:
+    import argparse
+
+    from mlxcel.actors.session_store import open_session_store
+    from mlxcel.cli import add_serve_flags, settings_from
+    from mlxcel.runtime.settings import Settings
+
+    default = open_session_store(Settings(cache_dir=tmp_path))
+    assert default.path == tmp_path / "sessions.sqlite3" and not default.shared
+    a_file = open_session_store(Settings(cache_dir=tmp_path, store=str(tmp_path / "x.db")))
+    assert a_file.path == tmp_path / "x.db" and not a_file.shared
+    url = "postgresql://u:p@db:5432/mlxcel"
+    assert open_session_store(Settings(cache_dir=tmp_path, store=url)).shared
+    # Both stores off: nothing is written anywhere, PostgreSQL included.
+    off = Settings(
+        cache_dir=tmp_path, store=url, responses_store_max_entries=0,
+        conversation_store_max_entries=0,
+    )  # fmt: skip
+    assert open_session_store(off).path == ":memory:"
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    assert settings_from(parser.parse_args(["--store", url])).store == url
