@@ -68,19 +68,25 @@ def usage(slot: OutputSlot) -> dict[str, int]:
     }
 
 
-def model_page(model_id: str, created: int, context_length: int) -> dict[str, Any]:
+def model_page(models: list[tuple[str, int | None]], created: int) -> dict[str, Any]:
     """`GET /v1/models` in Anthropic's page shape, for clients that send `anthropic-version`
-    (the OpenAI list has a `capabilities` list where Anthropic's SDK wants an object)."""
+    (the OpenAI list has a `capabilities` list where Anthropic's SDK wants an object).
+    ``models``: (id, context length, None when not known: a router model not loaded)."""
     when = datetime.fromtimestamp(created, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    entry = {
-        "type": "model",
-        "id": model_id,
-        "display_name": model_id,
-        "created_at": when,
-        "lifecycle": "active",
-        "max_input_tokens": context_length,
-    }
-    return {"data": [entry], "has_more": False, "first_id": model_id, "last_id": model_id}
+    data = []
+    for model_id, context_length in models:
+        entry: dict[str, Any] = {
+            "type": "model",
+            "id": model_id,
+            "display_name": model_id,
+            "created_at": when,
+            "lifecycle": "active",
+        }
+        if context_length is not None:
+            entry["max_input_tokens"] = context_length
+        data.append(entry)
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"data": data, "has_more": False, "first_id": first, "last_id": last}
 
 
 def content(c: Collected, thinking: Thinking) -> list[dict[str, Any]]:

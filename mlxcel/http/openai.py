@@ -348,9 +348,13 @@ async def completions() -> Response:
 async def models() -> Response:
     ctx = server()
     default = ctx.models.default()
-    if "anthropic-version" in request.headers and ctx.generation and not ctx.models.router:
+    if "anthropic-version" in request.headers and ctx.models.router:
+        lines = ctx.models.listing()
+        chat = [(m.name, m.hosted.info.context_length if m.hosted else None) for m in lines]
+        return _json(model_page(chat, ctx.created))
+    if "anthropic-version" in request.headers and ctx.generation:
         assert default is not None
-        return _json(model_page(default.name, ctx.created, default.info.context_length))
+        return _json(model_page([(default.name, default.info.context_length)], ctx.created))
     data: list[dict[str, Any]] = []
     listed: list[dict[str, Any]] = []
     if ctx.models.router:

@@ -103,6 +103,8 @@ def test_the_list_shows_every_model_and_where_it_stands(router: ServerProcess) -
     # The SDK's own listing call reads it too.
     client = openai.OpenAI(base_url=router.base_url + "/v1", api_key="x", max_retries=0)
     assert {m.id for m in client.models.list()} >= {"tiny-a", "tiny-b", "smollm2"}
+    claude = anthropic.Anthropic(base_url=router.base_url, api_key="x", max_retries=0)
+    assert {m.id for m in claude.models.list()} == ROUTED
 
 
 def test_each_route_answers_with_the_model_it_names(router: ServerProcess) -> None:
