@@ -1,9 +1,11 @@
 """What the HTTP handlers need from the running system, reached through the app.
 
-Handlers see the generation pipeline through ``Pipeline``, a narrow interface: submit, count
-tokens, frozen statistics, control messages. They never hold the scheduler or the tokenizer,
-so nothing in ``http/`` can read or change an actor's live state (an import contract in
-pyproject.toml keeps those modules out of ``http/``).
+Nothing here is "the" model: a handler asks ``ServerContext.model`` for the ``Model`` its
+request names (the registry, ``Models``, loads it in router mode and leases it to the request).
+A model's generation pipeline is seen through ``Pipeline``, a narrow interface: submit, count
+tokens, frozen statistics, control messages. Handlers never hold the scheduler or the
+tokenizer, so nothing in ``http/`` can read or change an actor's live state (an import
+contract in pyproject.toml keeps those modules out of ``http/``).
 """
 
 from __future__ import annotations
