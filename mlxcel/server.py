@@ -37,6 +37,7 @@ from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
 from mlxcel.http.inflight import InFlight
 from mlxcel.models import blas
+from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
@@ -198,6 +199,7 @@ async def serve(
             media=info.media,
         )
         await root.start(tokenizer.run)
+        lora = LoraTable(info.lora_paths, info.lora_scales)
         gate = Admission if side.generation else GenerationDisabled
         admission = gate(
             max_queue_depth=settings.max_queue_depth,
@@ -205,6 +207,7 @@ async def serve(
             aborts=aborts,
             parallel=settings.parallel,
             free_slots=scheduler.free_rows,
+            lora=lora,
         )
         await root.start(admission.run)
         session_store = open_session_store(settings)
@@ -225,6 +228,7 @@ async def serve(
             stt=audio.stt,
             tts=audio.tts,
             streams=streams,
+            lora=lora,
         )
         metrics.live.scheduler = scheduler.statistics
         metrics.live.queued = lambda: admission.queued

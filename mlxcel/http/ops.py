@@ -26,6 +26,7 @@ from mlxcel.runtime.errors import (
     ServiceError,
     UnsupportedField,
 )
+from mlxcel.runtime.lora import UNSAVABLE_SLOT
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams, SlotAction, SlotReply
 from mlxcel.runtime.settings import Settings
 
@@ -333,6 +334,8 @@ async def slot_action(slot_id: str) -> Response:
     if reply.error is not None:
         if action == "restore":
             raise InvalidRequest(f"{RESTORE_FAILED}: {reply.error}")
+        if reply.error.endswith(UNSAVABLE_SLOT):
+            raise InvalidRequest(f"Unable to save slot: {UNSAVABLE_SLOT}")
         raise InternalError(f"Unable to {action} slot: {reply.error}")
     if action == "erase":
         return _json({"id_slot": slot, "n_erased": reply.n_tokens})
@@ -363,21 +366,16 @@ async def slot_action(slot_id: str) -> Response:
 
 @bp.get("/lora-adapters")
 async def lora_adapters() -> Response:
-    """No LoRA adapters are loaded (there is no `--lora`): the list is empty."""
-    return _json([])
+    """The --lora adapters by id, with their global scales (empty without --lora)."""
+    return _json(server().lora.listing())
 
 
 @bp.post("/lora-adapters")
 async def set_lora_adapters() -> Response:
-    """Scales for loaded adapters; with none loaded, only the empty list is valid."""
-    body = await read_json()
-    if not isinstance(body, list):
-        raise InvalidRequest("Expected a list of {id, scale}")
-    if body:
-        raise InvalidRequest(
-            "No LoRA adapters are loaded, so there is no adapter id to set a scale for",
-            param="id",
-        )
+    """Set the global scales, as llama-server: adapters not listed drop to 0; only requests
+    admitted afterwards use them (each request keeps the scales it was admitted with)."""
+    table = server().lora
+    table.set(table.parse(await read_json(), "lora"))
     return _json({"success": True})
 
 
