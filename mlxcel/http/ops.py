@@ -64,6 +64,7 @@ def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
         stream=False,
         cache_prompt=ctx.settings.cache_enabled,
         n_keep=ctx.settings.n_keep,
+        lora=ctx.lora.current(),
     )
 
 
@@ -81,6 +82,8 @@ def request_settings(
         n_probs=gen.logprobs or 0,
         n_keep=gen.n_keep if gen.n_keep is not None else ctx.settings.n_keep,
         n_discard=gen.n_discard,
+        # None only before admission on a route that does not fill it (slot_wire does).
+        lora=gen.lora if gen.lora is not None else ctx.lora.current(),
     )
 
 
@@ -95,6 +98,7 @@ def generation_settings(
     n_probs: int = 0,
     n_keep: int = 0,
     n_discard: int = 0,
+    lora: tuple[float, ...] = (),
 ) -> dict[str, Any]:
     """llama-server's ``generation_settings``: the settings one completion ran with."""
     return {
@@ -110,6 +114,7 @@ def generation_settings(
         "n_probs": n_probs,
         "n_keep": n_keep,
         "n_discard": n_discard,
+        "lora": [{"id": i, "scale": scale} for i, scale in enumerate(lora)],
     }
 
 

@@ -20,6 +20,7 @@ sets before each forward pass from the rows of the batch making it.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -182,21 +183,26 @@ def install(model: nn.Module, adapters: Sequence[Adapter], rows: RowScales) -> N
 
 class LoraModel:
     """The model as the batches call it: before each forward pass, the scales of the rows
-    making it are set (``scales_for(cache, n_rows)``: rows x adapters, None when none uses
-    an adapter); everything else is the model's."""
+    making it are set (``scales_for(caller, cache, n_rows)``: rows x adapters, None when none
+    uses an adapter); everything else is the model's."""
 
     def __init__(
         self,
         model: Any,
         rows: RowScales,
-        scales_for: Callable[[Any, int], mx.array | None],
+        scales_for: Callable[[Any, Any, int], mx.array | None],
     ) -> None:
         self._model = model
         self._rows = rows
         self._scales_for = scales_for
 
     def __call__(self, inputs: mx.array, *args: Any, cache: Any = None, **kw: Any) -> Any:
-        self._rows.set(self._scales_for(cache, int(inputs.shape[0])))
+        # The batch making this pass is its caller (mlx-lm's batches, ours, the speculative
+        # one: each calls ``self.model(..., cache=self.prompt_cache)`` from a method of its
+        # own, some on a batch that exists only for that call, such as a split being
+        # started): its ``uids`` name the rows, in order.
+        caller = sys._getframe(1).f_locals.get("self")
+        self._rows.set(self._scales_for(caller, cache, int(inputs.shape[0])))
         try:
             return self._model(inputs, *args, cache=cache, **kw)
         finally:

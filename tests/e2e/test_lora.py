@@ -142,7 +142,7 @@ def test_posted_scales_change_only_requests_admitted_afterwards(server: ServerPr
     assert tokens(server, n=64, lora=[], cache_prompt=False) == base
 
 
-def test_the_lora_field_works_on_the_openai_routes(server: ServerProcess) -> None:
+def test_the_lora_field_works_on_the_openai_routes_and_with_choices(server: ServerProcess) -> None:
     def chat(lora: Any) -> str:
         body = {
             "messages": [{"role": "user", "content": "Hello"}],
@@ -156,6 +156,16 @@ def test_the_lora_field_works_on_the_openai_routes(server: ServerProcess) -> Non
 
     assert chat([{"id": 1, "scale": 1.0}]) != chat([])
     assert chat([{"id": 1, "scale": 0.0}]) == chat([])
+    # Choices fork from the prompt's cache, read under the request's adapters.
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "n": 2}
+    body["lora"] = [{"id": 1, "scale": 1.0}]
+    r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    alone = httpx.post(f"{server.base_url}/v1/completions", json=body | {"n": 1}, timeout=120)
+    base = httpx.post(f"{server.base_url}/v1/completions", json=body | {"lora": []}, timeout=120)
+    assert texts == [alone.json()["choices"][0]["text"]] * 2
+    assert texts[0] != base.json()["choices"][0]["text"]
 
 
 @pytest.mark.parametrize(
@@ -245,3 +255,15 @@ def test_a_slot_read_under_adapters_is_not_saved_and_a_base_one_is(
     complete(server, id_slot=1)
     r = httpx.post(f"{server.base_url}/slots/1?action=save", json={"filename": "b.bin"})
     assert r.status_code == 200 and r.json()["n_saved"] > 0, r.text
+
+
+def test_generation_settings_and_props_show_the_scales_a_request_runs_with(
+    server: ServerProcess,
+) -> None:
+    httpx.post(f"{server.base_url}/lora-adapters", json=[{"id": 1, "scale": 0.5}])
+    own = complete(server, n=2, lora=[{"id": 0, "scale": 1.0}])["generation_settings"]["lora"]
+    assert own == [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.0}]
+    given = complete(server, n=2)["generation_settings"]["lora"]
+    assert given == [{"id": 0, "scale": 0.0}, {"id": 1, "scale": 0.5}]
+    props = httpx.get(f"{server.base_url}/props").json()
+    assert props["default_generation_settings"]["params"]["lora"] == given

@@ -427,21 +427,27 @@ class MlxBackend:
             return loaded.model
         if loaded.vision is not None:
             raise AdapterError("--lora: adapters are served on text models only")
+        if settings.batch_invariant:
+            # Their matmuls are not among those --batch-invariant has checked (invariance.py).
+            raise AdapterError("--lora cannot be combined with --batch-invariant")
         adapters = [lora.load_adapter(Path(path)) for path, _ in settings.lora]
         rows = lora.RowScales()
         lora.install(loaded.model, adapters, rows)
         return lora.LoraModel(loaded.model, rows, self._row_scales)
 
-    def _row_scales(self, cache: Any, n_rows: int) -> mx.array | None:
-        """The scales of the batch whose cache this forward pass uses, row by row (None
-        when no row of it uses an adapter: the pass runs at the base model's speed)."""
+    def _row_scales(self, caller: Any, cache: Any, n_rows: int) -> mx.array | None:
+        """The scales of the batch making this forward pass (its caller, whose cache it
+        uses), row by row (None when no row of it uses an adapter: the pass runs at the base
+        model's speed)."""
         if not self._lora_of:
             return None
         for batch in (
+            caller,
             mlx_lm_compat.generation_batch(self._gen),
             mlx_lm_compat.prompt_batch(self._gen),
         ):
-            if batch.prompt_cache is cache and len(batch.uids) == n_rows:
+            uids = getattr(batch, "uids", None)
+            if getattr(batch, "prompt_cache", None) is cache and len(uids or ()) == n_rows:
                 break
         else:
             # A pass on rows we cannot name would run them under the wrong adapters.
