@@ -82,7 +82,7 @@ def request_settings(
         n_probs=gen.logprobs or 0,
         n_keep=gen.n_keep if gen.n_keep is not None else ctx.settings.n_keep,
         n_discard=gen.n_discard,
-        # None only before admission on a route that does not fill it (slot_wire does).
+        # None: not admitted yet (/completion fills it as it parses; /slots shows admitted ones).
         lora=gen.lora if gen.lora is not None else ctx.lora.current(),
     )
 

@@ -40,11 +40,8 @@ def slot_options(body: SlotFields) -> dict[str, Any]:
         "id_slot": None if body.id_slot in (None, -1) else body.id_slot,
         "n_keep": body.n_keep,
         "n_discard": body.n_discard or 0,
-        # Without the field, the global scales as they are now, at admission (a request
-        # that reaches admission without any gets them there: runtime/lora.py).
-        "lora": server().lora.current()
-        if body.lora is None
-        else server().lora.parse(body.lora, "lora"),
+        # None: the global scales, as they are when admission takes it (runtime/lora.py).
+        "lora": None if body.lora is None else server().lora.parse(body.lora, "lora"),
     }
 
 
