@@ -436,6 +436,30 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=0.75,
         help="the draft stops where its own top probability falls below this",
     )
+    # One list in command-line order (adapter ids are positions in it), as llama-server.
+    p.add_argument(
+        "--lora",
+        dest="lora",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="serve this LoRA adapter (an mlx-lm adapter folder: adapters.safetensors and "
+        "adapter_config.json) at scale 1; repeatable, ids count from 0 in order",
+    )
+    p.add_argument(
+        "--lora-scaled",
+        dest="lora",
+        action="append",
+        nargs=2,
+        metavar=("PATH", "SCALE"),
+        help="as --lora, at this scale; repeatable",
+    )
+    p.add_argument(
+        "--lora-init-without-apply",
+        action="store_true",
+        help="load the adapters with scale 0 (POST /lora-adapters or a request's lora field "
+        "applies them)",
+    )
     p.add_argument(
         "--no-context-shift",
         dest="context_shift",
@@ -843,6 +867,19 @@ def sampling_defaults(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
+def lora_adapters(given: list[Any], without_apply: bool) -> tuple[tuple[str, float], ...]:
+    """--lora PATH and --lora-scaled PATH SCALE, in command-line order, as (folder, scale)."""
+    out = []
+    for g in given:
+        path, scale = (g, "1") if isinstance(g, str) else g
+        try:
+            value = float(scale)
+        except ValueError:
+            raise SystemExit(f"error: --lora-scaled {path} {scale}: not a number") from None
+        out.append((str(Path(path).expanduser().resolve()), 0.0 if without_apply else value))
+    return tuple(out)
+
+
 def slot_save_path(value: str | None) -> Path | None:
     """--slot-save-path must name an existing folder (llama-server's check)."""
     if not value:
@@ -866,11 +903,12 @@ def check_router(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"error: --models-dir {args.models_dir}: no model folders or .gguf files in it"
         )
-    for flag, value in (("--alias", args.alias), ("--model-draft", args.model_draft)):
+    named = (("--alias", args.alias), ("--model-draft", args.model_draft), ("--lora", args.lora))
+    for flag, value in named:
         if value:
             raise SystemExit(
-                f"error: {flag} names one model; router mode (--models-dir) serves each model "
-                "by its folder or file name"
+                f"error: {flag} belongs to one model; router mode (--models-dir) serves each "
+                "model by its folder or file name, as it is"
             )
     args.models_dir = folder
 
@@ -977,6 +1015,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         spec_ngram=args.spec_ngram,
         spec_ngram_max=args.spec_ngram_max,
         model_draft=args.model_draft,
+        lora=lora_adapters(args.lora, args.lora_init_without_apply),
         draft_max=args.draft_max,
         draft_min=args.draft_min,
         draft_p_min=args.draft_p_min,

@@ -40,6 +40,7 @@ from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
 from mlxcel.http.inflight import InFlight
 from mlxcel.models import blas
+from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
 from mlxcel.runtime.system import wait_for_stop_signal
@@ -194,6 +195,10 @@ async def serve(
             drain_timeout=settings.graceful_timeout,
         )
         await root.start(registry.run)
+        # --lora adapters belong to the one model (router mode refuses them): its table, or
+        # an empty one.
+        one = registry.default() if not registry.router else None
+        lora = one.lora if one is not None else LoraTable()
         session_store = open_session_store(settings)
         await root.start(session_store.run)
         streams = StreamSessions()
@@ -210,6 +215,7 @@ async def serve(
             stt=audio.stt,
             tts=audio.tts,
             streams=streams,
+            lora=lora,
         )
         metrics.live.scheduler = registry.statistics
         metrics.live.queued = lambda: registry.queued

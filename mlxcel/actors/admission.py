@@ -12,9 +12,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import attrs
 import trio
 
 from mlxcel.runtime.errors import InvalidRequest, ServerBusy, ShuttingDown
+from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.messages import GenerationRequest, Submit
 from mlxcel.runtime.sampling_rules import MAX_STOP_STRINGS
 from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
@@ -40,10 +42,12 @@ class Admission:
         aborts: AbortBox,
         parallel: int = 0,
         free_slots: Callable[[], int] = lambda: 0,
+        lora: LoraTable | None = None,
     ) -> None:
         """``max_queue_depth`` counts requests waiting for a slot: a request admitted while
         ``free_slots()`` (at most ``parallel``) are free is on its way to one, not waiting,
         so 64 requests arriving at once at a ``--parallel 64`` server all run."""
+        self._lora = lora
         self._depth = max_queue_depth
         self._parallel = parallel
         self._free_slots = free_slots
@@ -82,6 +86,10 @@ class Admission:
         if self._draining:
             raise ShuttingDown()
         validate(request)
+        if request.lora is None and self._lora is not None:
+            # The global adapter scales as they are now: a later POST /lora-adapters
+            # changes only requests admitted after it.
+            request = attrs.evolve(request, lora=self._lora.current())
         borrower = (request.request_id, next(self._ids))
         free = max(0, min(self._free_slots(), self._parallel))
         if self.queued >= self._depth + free:

@@ -29,6 +29,7 @@ from mlxcel.actors.streamer import Streamer
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.actors.toolcalls import detect as detect_tools
+from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.messages import SchedulerInbox, StepOutput, StepPlan, StreamerInbox, Submit
 from mlxcel.runtime.metrics import Metrics
 from mlxcel.runtime.settings import Settings
@@ -53,6 +54,8 @@ class Hosted:
     # Router mode: an embedding or reranking model of the list is served by its worker.
     embedder: Embedder | None = None
     reranker: Embedder | None = None
+    # Its --lora adapters and their global scales (/lora-adapters); empty without.
+    lora: LoraTable = attrs.field(factory=LoraTable)
 
     @property
     def admission(self) -> Admission:
@@ -161,6 +164,7 @@ async def host_model(
             media=info.media,
         )
         await nursery.start(tokenizer.run)
+        lora = LoraTable(info.lora_paths, info.lora_scales)
         gate = disabled or Admission
         admission = gate(
             max_queue_depth=settings.max_queue_depth,
@@ -168,6 +172,7 @@ async def host_model(
             aborts=aborts,
             parallel=settings.parallel,
             free_slots=scheduler.free_rows,
+            lora=lora,
         )
         await nursery.start(admission.run)
         pipeline = LocalPipeline(admission, tokenizer, scheduler, tokenized_tx.clone())
@@ -181,5 +186,6 @@ async def host_model(
                 generation=disabled is None,
                 embedder=embedder,
                 reranker=reranker,
+                lora=lora,
             )
         )

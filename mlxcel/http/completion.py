@@ -239,7 +239,7 @@ def _request(
     if n_probs is not None and not 0 <= n_probs <= 20:
         raise InvalidRequest(f"{n_probs_param} must be between 0 and 20", param=n_probs_param)
     ctx = server()
-    return GenerationRequest(
+    gen = GenerationRequest(
         request_id=new_id("cmpl"),
         prompt=prompt,
         sampling=sampling_params(
@@ -260,6 +260,9 @@ def _request(
         reasoning_control=key_scope(ctx.settings) if body.reasoning_control else None,
         **slot_options(body),
     )
+    # The global adapter scales now, as admission would take them a moment later: the final
+    # object's generation_settings shows what the request ran with, whatever is POSTed since.
+    return gen if gen.lora is not None else attrs.evolve(gen, lora=ctx.lora.current())
 
 
 @attrs.frozen

@@ -28,6 +28,7 @@ from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.toolcalls import ToolFormat
 from mlxcel.runtime import json_input
 from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.messages import (
     ForcedToolCall,
     GenerationRequest,
@@ -198,6 +199,8 @@ class ServerContext:
     tts: TextToSpeech | None = None
     # Resumable streams (X-Conversation-Id), run by their own actor.
     streams: StreamSessions = attrs.field(factory=StreamSessions)
+    # --lora adapters and their global scales (/lora-adapters).
+    lora: LoraTable = attrs.field(factory=LoraTable)
 
     @property
     def ping_interval(self) -> float:

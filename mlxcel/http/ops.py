@@ -26,6 +26,7 @@ from mlxcel.runtime.errors import (
     ServiceError,
     UnsupportedField,
 )
+from mlxcel.runtime.lora import UNSAVABLE_SLOT
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams, SlotAction, SlotReply
 from mlxcel.runtime.settings import Settings
 
@@ -63,6 +64,7 @@ def generation_defaults(ctx: ServerContext) -> dict[str, Any]:
         stream=False,
         cache_prompt=ctx.settings.cache_enabled,
         n_keep=ctx.settings.n_keep,
+        lora=ctx.lora.current(),
     )
 
 
@@ -80,6 +82,8 @@ def request_settings(
         n_probs=gen.logprobs or 0,
         n_keep=gen.n_keep if gen.n_keep is not None else ctx.settings.n_keep,
         n_discard=gen.n_discard,
+        # None: not admitted yet (/completion fills it as it parses; /slots shows admitted ones).
+        lora=gen.lora if gen.lora is not None else ctx.lora.current(),
     )
 
 
@@ -94,6 +98,7 @@ def generation_settings(
     n_probs: int = 0,
     n_keep: int = 0,
     n_discard: int = 0,
+    lora: tuple[float, ...] = (),
 ) -> dict[str, Any]:
     """llama-server's ``generation_settings``: the settings one completion ran with."""
     return {
@@ -109,6 +114,7 @@ def generation_settings(
         "n_probs": n_probs,
         "n_keep": n_keep,
         "n_discard": n_discard,
+        "lora": [{"id": i, "scale": scale} for i, scale in enumerate(lora)],
     }
 
 
@@ -350,6 +356,8 @@ async def slot_action(slot_id: str) -> Response:
     if reply.error is not None:
         if action == "restore":
             raise InvalidRequest(f"{RESTORE_FAILED}: {reply.error}")
+        if reply.error.endswith(UNSAVABLE_SLOT):
+            raise InvalidRequest(f"Unable to save slot: {UNSAVABLE_SLOT}")
         raise InternalError(f"Unable to {action} slot: {reply.error}")
     if action == "erase":
         return _json({"id_slot": slot, "n_erased": reply.n_tokens})
@@ -380,21 +388,16 @@ async def slot_action(slot_id: str) -> Response:
 
 @bp.get("/lora-adapters")
 async def lora_adapters() -> Response:
-    """No LoRA adapters are loaded (there is no `--lora`): the list is empty."""
-    return _json([])
+    """The --lora adapters by id, with their global scales (empty without --lora)."""
+    return _json(server().lora.listing())
 
 
 @bp.post("/lora-adapters")
 async def set_lora_adapters() -> Response:
-    """Scales for loaded adapters; with none loaded, only the empty list is valid."""
-    body = await read_json()
-    if not isinstance(body, list):
-        raise InvalidRequest("Expected a list of {id, scale}")
-    if body:
-        raise InvalidRequest(
-            "No LoRA adapters are loaded, so there is no adapter id to set a scale for",
-            param="id",
-        )
+    """Set the global scales, as llama-server: adapters not listed drop to 0; only requests
+    admitted afterwards use them (each request keeps the scales it was admitted with)."""
+    table = server().lora
+    table.set(table.parse(await read_json(), "lora"))
     return _json({"success": True})
 
 

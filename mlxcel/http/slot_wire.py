@@ -1,4 +1,5 @@
-"""llama-server's slot fields on generation requests: ``id_slot``, ``n_keep``, ``n_discard``.
+"""llama-server's slot fields on generation requests: ``id_slot``, ``n_keep``, ``n_discard``,
+and ``lora`` (the request's LoRA adapter scales, ``[{id, scale}]``; adapters not listed: 0).
 
 Every generation route takes them (/completion, /v1/completions, /v1/chat/completions).
 ``id_slot`` runs the request in that slot (see actors/model_runner/slots.py for what a slot
@@ -11,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from mlxcel.http.context import server
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import GenerationRequest
 
@@ -23,6 +25,7 @@ class SlotFields:
     id_slot: int | None = None
     n_keep: int | None = None
     n_discard: int | None = None
+    lora: Any = None
 
 
 def slot_options(body: SlotFields) -> dict[str, Any]:
@@ -37,6 +40,8 @@ def slot_options(body: SlotFields) -> dict[str, Any]:
         "id_slot": None if body.id_slot in (None, -1) else body.id_slot,
         "n_keep": body.n_keep,
         "n_discard": body.n_discard or 0,
+        # None: the global scales, as they are when admission takes it (runtime/lora.py).
+        "lora": None if body.lora is None else server().lora.parse(body.lora, "lora"),
     }
 
 

@@ -4,6 +4,7 @@
      +-- ModelNotFound      the spec names nothing we can find (or download)
      +-- UnsupportedModel   we found it but cannot convert or load it
      +-- IncompatibleMlxLm  the installed mlx-lm is outside the tested versions
+     +-- AdapterError       a --lora adapter cannot be read or does not fit the model
 
 They carry a message meant for a person, so the CLI prints ``str(exc)``
 without a traceback. ``runtime/errors.py`` may wrap them; they live here so
@@ -27,3 +28,7 @@ class UnsupportedModel(ModelError):
 
 class IncompatibleMlxLm(ModelError):
     """The installed mlx-lm is outside the versions whose internals we rely on and test."""
+
+
+class AdapterError(ModelError):
+    """A --lora adapter that cannot be loaded or does not fit the model."""

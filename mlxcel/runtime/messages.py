@@ -201,6 +201,9 @@ class GenerationRequest:
     images: tuple[Any, ...] = ()
     # Audio parts to transcribe into the prompt (``AudioRef``), before submission.
     audio: tuple[AudioRef, ...] = ()
+    # LoRA adapter scales, one per loaded adapter (--lora): the request's `lora` field;
+    # None: the global scales (/lora-adapters) as they are when admission takes it.
+    lora: tuple[float, ...] | None = None
 
 
 # --- http -> admission -> tokenizer ----------------------------------------------------------
@@ -269,6 +272,8 @@ class InsertSequence:
     priority: int = 1
     # The processor's pixels for the prompt's images (models.vlm.PreparedImages); None: text.
     images: Any = None
+    # LoRA adapter scales, one per loaded adapter, fixed at admission (all 0 or empty: none).
+    lora: tuple[float, ...] = ()
 
 
 @attrs.frozen

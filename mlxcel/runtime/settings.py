@@ -119,6 +119,9 @@ class Settings:
     draft_max: int = 16
     draft_min: int = 0
     draft_p_min: float = 0.75
+    # --lora / --lora-scaled: mlx-lm adapter folders and their start-up scales, by id
+    # (--lora-init-without-apply: every scale starts at 0).
+    lora: tuple[tuple[str, float], ...] = ()
     # --keep: prompt tokens a shift always keeps (-1: the whole prompt); requests' n_keep.
     n_keep: int = 0
     props_endpoint: bool = False

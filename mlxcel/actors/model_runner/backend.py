@@ -35,6 +35,9 @@ class ModelInfo:
     # At most this many rows may decode together (a vision family that cannot batch: 1);
     # None: --parallel decides.
     max_rows: int | None = None
+    # --lora adapters, by id: their folders and their scales at start-up.
+    lora_paths: tuple[str, ...] = ()
+    lora_scales: tuple[float, ...] = ()
 
 
 class Backend(Protocol):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import attrs
@@ -29,7 +30,8 @@ from mlxcel.actors.model_runner.prompt_cache import PromptCache
 from mlxcel.actors.model_runner.slots import SlotCaches, row_state, shifted
 from mlxcel.actors.model_runner.speculative_batch import Speculation, SpeculativeGenerationBatch
 from mlxcel.actors.reasoning import detect_reasoning
-from mlxcel.models import device, fast_lm, mlx_lm_compat, vision_cache, vlm
+from mlxcel.models import device, fast_lm, lora, mlx_lm_compat, vision_cache, vlm
+from mlxcel.models.errors import AdapterError
 from mlxcel.models.loader import LoadedModel, model_meta, release_thread_streams
 from mlxcel.runtime.messages import (
     CacheStats,
@@ -85,7 +87,12 @@ class MlxBackend:
             meta=model_meta(loaded),
             media=loaded.vision.media if loaded.vision is not None else None,
             max_rows=1 if loaded.vision is not None and not loaded.vision.batchable else None,
+            lora_paths=tuple(path for path, _ in settings.lora),
+            lora_scales=tuple(scale for _, scale in settings.lora),
         )
+        # Per row using an adapter: its scales (one per adapter), for every forward pass.
+        self._lora_of: dict[int, tuple[float, ...]] = {}
+        model = self._with_adapters(loaded, settings)
         mlx_lm_compat.install()  # once per process; the loader did it already
         if settings.batch_invariant:
             problem = invariance.prepare(loaded.model, settings.parallel)
@@ -109,7 +116,7 @@ class MlxBackend:
         )
         spec = self._spec
         self._gen = EagerStartBatchGenerator(
-            loaded.model,
+            model,
             # A row whose choices fork from its prompt cache keeps mlx-lm's pace (see _fork).
             hold=self._forks.__contains__,
             batch=(
@@ -311,6 +318,8 @@ class MlxBackend:
             self._logprobs[new] = self._logprobs.pop(old)
         if old in self._guides:
             self._guides[new] = self._guides.pop(old)
+        if old in self._lora_of:
+            self._lora_of[new] = self._lora_of.pop(old)
         assert self._shift is not None
         self._shift[new] = self._shift.pop(old)
         self._rereading.discard(old)
@@ -391,12 +400,14 @@ class MlxBackend:
                 rows.extend(self._image_rows(s, prompt, cached))
                 continue
             if self._cache is not None and s.cache_key is not None:
+                # KV read under other adapter scales is never served: the scales key it.
+                key = s.cache_key + lora.scale_tag(s.lora)
                 # Batch-invariant: a seeded prompt is read whole, in the chunks a lone request
                 # reads it in (a cached prefix was computed in other chunks, or token by
                 # token, and so differs from them in its last bits).
                 if not (self._invariant and s.sampling.seed is not None):
-                    cache, n = self._cache.lookup(s.cache_key, prompt)
-                self._cache_key[s.request_id] = s.cache_key
+                    cache, n = self._cache.lookup(key, prompt)
+                self._cache_key[s.request_id] = key
             cached.append((s.request_id, n))
             # With more than the last token left to read, choice 0 reads it alone and the
             # others fork from its cache afterwards (_fork); else all start from this one.
@@ -409,6 +420,44 @@ class MlxBackend:
         for i in leaders:
             self._forks[uids[i]] = rows[i].seq
         return tuple(cached)
+
+    def _with_adapters(self, loaded: LoadedModel, settings: Settings) -> Any:
+        """The model the batches call: with --lora, wrapped so that each forward pass
+        applies the scales of the rows making it (models/lora.py)."""
+        if not settings.lora:
+            return loaded.model
+        if loaded.vision is not None:
+            raise AdapterError("--lora: adapters are served on text models only")
+        if settings.batch_invariant:
+            # Their matmuls are not among those --batch-invariant has checked (invariance.py).
+            raise AdapterError("--lora cannot be combined with --batch-invariant")
+        adapters = [lora.load_adapter(Path(path)) for path, _ in settings.lora]
+        rows = lora.RowScales()
+        lora.install(loaded.model, adapters, rows)
+        return lora.LoraModel(loaded.model, rows, self._row_scales)
+
+    def _row_scales(self, caller: Any, cache: Any, n_rows: int) -> mx.array | None:
+        """The scales of the batch making this forward pass (its caller, whose cache it
+        uses), row by row (None when no row of it uses an adapter: the pass runs at the base
+        model's speed)."""
+        if not self._lora_of:
+            return None
+        for batch in (
+            caller,
+            mlx_lm_compat.generation_batch(self._gen),
+            mlx_lm_compat.prompt_batch(self._gen),
+        ):
+            uids = getattr(batch, "uids", None)
+            if getattr(batch, "prompt_cache", None) is cache and len(uids or ()) == n_rows:
+                break
+        else:
+            # A pass on rows we cannot name would run them under the wrong adapters.
+            raise RuntimeError("LoRA: a forward pass on rows outside the batch")
+        zero = (0.0,) * len(self.info.lora_paths)
+        scales = [self._lora_of.get(uid, zero) for uid in batch.uids]
+        if not any(any(row) for row in scales):
+            return None
+        return mx.array(scales, dtype=mx.float32)
 
     def _store(self, rid: str, key: str, tokens: list[int], cache: list[Any]) -> None:
         """Donate a row's cache to the prompt cache; an M-RoPE image row's entry keeps its
@@ -490,6 +539,8 @@ class MlxBackend:
                 self._logprobs[uid] = r.seq.logprobs
             if r.seq.priority == 0:
                 self._urgent.add(uid)
+            if any(r.seq.lora):
+                self._lora_of[uid] = r.seq.lora
             if self._shift is not None:
                 self._shift[uid] = (r.seq.n_keep, r.seq.n_discard, len(r.seq.prompt_tokens))
             if r.choice == 0:
@@ -517,6 +568,7 @@ class MlxBackend:
         self._guides.pop(uid, None)
         self._forks.pop(uid, None)
         self._urgent.discard(uid)
+        self._lora_of.pop(uid, None)
         if self._shift is not None:
             self._shift.pop(uid, None)
             self._rereading.discard(uid)

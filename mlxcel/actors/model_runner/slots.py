@@ -31,6 +31,8 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcel.actors.model_runner.eager_start import PrimedGenerationBatch
 from mlxcel.actors.model_runner.prompt_cache import PromptCache
+from mlxcel.models.lora import LORA_TAG
+from mlxcel.runtime.lora import UNSAVABLE_SLOT
 from mlxcel.runtime.messages import SlotAction, SlotState
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,8 @@ class SlotCaches:
 
     def _save(self, action: SlotAction) -> None:
         held = self._held[action.slot]
+        if held is not None and LORA_TAG in held.key:
+            raise ValueError(UNSAVABLE_SLOT)
         entry, n_held = None, 0
         if held is not None and self._cache is not None:
             entry, n_held = self._cache.entry(held.key, list(held.tokens))

@@ -194,6 +194,7 @@ def plan(
             n_discard=item.request.n_discard,
             priority=item.request.priority,
             images=item.images,
+            lora=item.request.lora or (),
         )
         for item in started
     )
