@@ -197,3 +197,17 @@ def test_rank_lost_ends_rank_0(tiny_model_dir: Path, tmp_path: Path, streaming: 
         pair.stop()
         if reader.is_alive():
             reader.join(timeout=10)
+
+
+def test_refused_without_a_group_or_with_a_draft(tiny_model_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
+    base = [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_model_dir), "--no-audio"]
+    alone = subprocess.run(
+        [*base, "--distributed"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert alone.returncode == 1
+    assert "--distributed: no group of ranks" in alone.stderr
+    draft = [*base, "--distributed", "--model-draft", str(tiny_model_dir)]
+    refused = subprocess.run(draft, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1
+    assert "--model-draft" in refused.stderr

@@ -103,7 +103,11 @@ class Watchdog:
 
 def init_group() -> Any:
     """The group of all ranks, as ``mlx.launch`` (or MLX_RANK / MLX_HOSTFILE) describes it."""
-    group = mx.distributed.init(strict=True)
+    try:
+        group = mx.distributed.init(strict=True)
+    except RuntimeError as error:  # no backend, or no MLX_RANK / MLX_HOSTFILE to form it
+        why = f"--distributed: no group of ranks ({error}); start the ranks with mlx.launch"
+        raise ModelError(why) from error
     if group.size() < 2:
         raise ModelError("--distributed needs at least two ranks (start them with mlx.launch)")
     return group
