@@ -211,3 +211,14 @@ def test_refused_without_a_group_or_with_a_draft(tiny_model_dir: Path) -> None:
     refused = subprocess.run(draft, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1
     assert "--model-draft" in refused.stderr
+
+
+def test_rank_0_lost_ends_rank_1(tiny_model_dir: Path, tmp_path: Path) -> None:
+    pair = Ranks(tiny_model_dir, tmp_path)
+    try:
+        pair.procs[0].kill()
+        # Its next collective (a ping it waits for) fails, or stalls past the deadline.
+        code = pair.procs[1].wait(timeout=1 + DEADLINE_S + 4)
+        assert code in (1, 3), pair.log()
+    finally:
+        pair.stop()
