@@ -943,8 +943,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for flag, ok in checks.items():
         if not ok:
             raise SystemExit(f"error: {flag} is out of range")
-    if args.distributed and (args.model_draft or args.models_dir):
-        raise SystemExit("error: --distributed serves one model without --model-draft")
+    if args.distributed:
+        # One model, and nothing that acts on rank 0's state alone: a draft model's
+        # proposals, or a slot restored into rank 0's cache only, would desynchronise the ranks.
+        for flag, value in (
+            ("--model-draft", args.model_draft),
+            ("--models-dir", args.models_dir),
+            ("--slot-save-path", args.slot_save_path),
+        ):
+            if value:
+                raise SystemExit(f"error: --distributed cannot be used with {flag}")
     return Settings(
         model=args.model,
         alias=args.alias,

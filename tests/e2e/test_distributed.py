@@ -199,7 +199,7 @@ def test_rank_lost_ends_rank_0(tiny_model_dir: Path, tmp_path: Path, streaming: 
             reader.join(timeout=10)
 
 
-def test_refused_without_a_group_or_with_a_draft(tiny_model_dir: Path) -> None:
+def test_refused_without_a_group_or_with_rank_0_only_state(tiny_model_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_")}
     base = [sys.executable, "-m", "mlxcel", "serve", "-m", str(tiny_model_dir), "--no-audio"]
     alone = subprocess.run(
@@ -207,10 +207,11 @@ def test_refused_without_a_group_or_with_a_draft(tiny_model_dir: Path) -> None:
     )
     assert alone.returncode == 1
     assert "--distributed: no group of ranks" in alone.stderr
-    draft = [*base, "--distributed", "--model-draft", str(tiny_model_dir)]
-    refused = subprocess.run(draft, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 1
-    assert "--model-draft" in refused.stderr
+    for flag in ("--model-draft", "--slot-save-path"):
+        argv = [*base, "--distributed", flag, str(tiny_model_dir)]
+        refused = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True)
+        assert refused.returncode == 1
+        assert f"--distributed cannot be used with {flag}" in refused.stderr
 
 
 def test_rank_0_lost_ends_rank_1(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -156,9 +156,10 @@ class PlanChannel:
         if plan is None:
             self._sum(mx.array([_STOP], dtype=mx.int64))
             return
-        # Slot saves and restores carry a Trio reply event (not picklable) and copy one
-        # rank's cache in or out: they act on rank 0 only (docs/how-to/distributed.md).
-        data = pickle.dumps(attrs.evolve(plan, slot_actions=()))
+        # Slot actions carry a Trio reply event (not picklable); --distributed refuses
+        # --slot-save-path, so there are none (a restore on rank 0 alone would desync).
+        assert not plan.slot_actions
+        data = pickle.dumps(plan)
         self._sum(mx.array([len(data)], dtype=mx.int64))
         self._sum(mx.array(np.frombuffer(data + bytes(-len(data) % 4), dtype=np.int32)))
 
