@@ -117,6 +117,14 @@ def test_answers_equal_single_process(single: ServerProcess, ranks: Ranks) -> No
     assert chat(ranks.base_url, "Tell me a story", 20) == chat(
         single.base_url, "Tell me a story", 20
     )
+    # Sampled with a seed: every rank draws the same (the seed travels in the plan), and the
+    # draws equal one process's.
+    body = {"prompt": "Once", "n_predict": 24, "temperature": 1.0, "seed": 7}
+    sampled = [
+        httpx.post(f"{base}/completion", json=body, timeout=60).json()["content"]
+        for base in (single.base_url, ranks.base_url, ranks.base_url)
+    ]
+    assert sampled[0] and sampled[1:] == sampled[:2], sampled
 
 
 def test_concurrent_mixed_batch_equals_solo(single: ServerProcess, ranks: Ranks) -> None:
