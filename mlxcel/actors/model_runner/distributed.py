@@ -10,7 +10,7 @@ the same mx.random seed on every rank at start, and no time-dependent decision i
 ``apply`` (``distributed_settings`` turns speculation and the prefill budget off).
 
 The broadcast is two ``all_sum`` collectives, since mlx has no broadcast: the plan's length,
-then its pickled bytes as int32 words (the ring backend's uint8 sums garbled them), with
+then its pickled bytes as int32 words (zero-padded), with
 zeros from every other rank.
 """
 
