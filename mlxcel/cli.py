@@ -387,6 +387,23 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "prompt cache (costs speed; env: MLXCEL_BATCH_INVARIANT)",
     )
     p.add_argument(
+        "--distributed",
+        dest="distributed",
+        action="store_true",
+        default=_env_bool("MLXCEL_DISTRIBUTED", False),
+        help="tensor parallel over the ranks mlx.launch started: each loads a shard of the "
+        "model, rank 0 serves HTTP (speculation off; env: MLXCEL_DISTRIBUTED)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        dest="distributed_timeout",
+        type=float,
+        metavar="SECS",
+        default=float(os.environ.get("MLXCEL_DISTRIBUTED_TIMEOUT", d.distributed_timeout)),
+        help="--distributed: a rank whose collective or step takes longer than this exits "
+        "(a peer died or stalled; env: MLXCEL_DISTRIBUTED_TIMEOUT)",
+    )
+    p.add_argument(
         "--no-spec-ngram",
         dest="spec_ngram",
         action="store_false",
@@ -959,10 +976,21 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--audio-queue-depth": args.audio_queue_depth >= 1,
         "--audio-request-timeout-secs": args.audio_request_timeout_secs > 0,
         "--realtime-max-sessions": args.realtime_max_sessions >= 1,
+        "--distributed-timeout": args.distributed_timeout > 0,
     }
     for flag, ok in checks.items():
         if not ok:
             raise SystemExit(f"error: {flag} is out of range")
+    if args.distributed:
+        # One model, and nothing that acts on rank 0's state alone: a draft model's
+        # proposals, or a slot restored into rank 0's cache only, would desynchronise the ranks.
+        for flag, value in (
+            ("--model-draft", args.model_draft),
+            ("--models-dir", args.models_dir),
+            ("--slot-save-path", args.slot_save_path),
+        ):
+            if value:
+                raise SystemExit(f"error: --distributed cannot be used with {flag}")
     return Settings(
         model=args.model,
         alias=args.alias,
@@ -1012,6 +1040,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         vlm_prefix_cache=args.vlm_prefix_cache,
         context_shift=args.context_shift,
         batch_invariant=args.batch_invariant,
+        distributed=args.distributed,
+        distributed_timeout=args.distributed_timeout,
         spec_ngram=args.spec_ngram,
         spec_ngram_max=args.spec_ngram_max,
         model_draft=args.model_draft,
@@ -1096,10 +1126,22 @@ def run_serve(settings: Settings, *, webui: bool = True) -> int:
     import trio
 
     from mlxcel.models.errors import ModelError
-    from mlxcel.server import serve
+    from mlxcel.server import follow_lead, serve
 
     try:
+        if settings.distributed:
+            from mlxcel.actors.model_runner import distributed
+
+            settings = distributed.distributed_settings(settings)
+            group = distributed.start_rank()
+            log.info("distributed: rank %d of %d", group.rank(), group.size())
+            if group.rank() > 0:
+                follow_lead(settings)
+                return 0
         trio.run(partial(serve, settings, webui=webui))
+        if settings.distributed and distributed.lost:
+            print(f"error: {distributed.lost[0]}", file=sys.stderr)
+            return 1
     except BaseException as error:  # noqa: BLE001 - unwrap the nursery's group, report, exit
         leaf = _leaf(error)
         if isinstance(leaf, ModelError):

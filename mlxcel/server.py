@@ -48,17 +48,41 @@ from mlxcel.runtime.system import wait_for_stop_signal
 log = logging.getLogger(__name__)
 
 
+def build_lead_backend(settings: Settings) -> Backend:
+    """--distributed, rank 0: the local shard, behind a backend that sends every plan to the
+    other ranks first."""
+    from mlxcel.actors.model_runner.distributed import BroadcastingBackend, init_group
+
+    return BroadcastingBackend(
+        build_mlx_backend(settings), init_group(), settings.distributed_timeout
+    )
+
+
+def follow_lead(settings: Settings) -> None:
+    """--distributed, ranks > 0: load the local shard, then apply rank 0's plans until it
+    stops (no HTTP, no scheduler)."""
+    from mlxcel.actors.model_runner.distributed import follow, init_group
+
+    follow(build_mlx_backend(settings), init_group(), settings.distributed_timeout)
+
+
 def build_mlx_backend(settings: Settings) -> Backend:
     """Runs on the model runner's thread: resolve, load, warm up."""
+    from mlxcel.actors.model_runner.distributed import shard_model
     from mlxcel.actors.model_runner.mlx_backend import MlxBackend
     from mlxcel.models.loader import load_model
     from mlxcel.models.resolve import resolve_model
 
     resolved = resolve_model(settings.model, settings.cache_dir)
-    # --batch-invariant keeps every layer on float32 BLAS, whose results it has checked.
+    # --batch-invariant keeps every layer on float32 BLAS, whose results it has checked;
+    # --distributed keeps mlx-lm's own layers, which its model.shard knows how to split.
     loaded = load_model(
-        resolved, keep_quantized=settings.keep_quantized, native=not settings.batch_invariant
+        resolved,
+        keep_quantized=settings.keep_quantized,
+        native=not (settings.batch_invariant or settings.distributed),
     )
+    if settings.distributed:
+        shard_model(loaded.model)
     if loaded.native_layers:
         log.info("%d quantised layers on mlxcel's native CPU kernels", loaded.native_layers)
     if settings.chat_template is not None:
@@ -131,7 +155,9 @@ async def _host(
                 task_status=task_status,
             )
     elif side.generation:
-        build = build_backend or partial(build_mlx_backend, settings)
+        build = build_backend or partial(
+            build_lead_backend if settings.distributed else build_mlx_backend, settings
+        )
         await host_model(None, settings, build, metrics, task_status=task_status)
     else:
         await host_model(

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_until_healthy(base_url: str, exited: Callable[[], bool], timeout: float) -> str | None:
+    """Poll /health until it answers 200 (None), the server exits ("exited early") or
+    ``timeout`` passes ("did not start")."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if exited():
+            return "exited early"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return None
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            return "did not start"
+        time.sleep(0.2)
+
+
 class ServerProcess:
     """`mlxcel serve` in a child process, as a user starts it."""
 
@@ -68,19 +85,11 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             cwd=REPO,
         )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start:\n{self.log()}")
-            time.sleep(0.2)
+        why = wait_until_healthy(self.base_url, lambda: self.proc.poll() is not None, timeout)
+        if why == "did not start":
+            self.stop()
+        if why is not None:
+            raise RuntimeError(f"server {why}:\n{self.log()}")
 
     def log(self) -> str:
         self._log.flush()

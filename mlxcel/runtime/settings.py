@@ -109,6 +109,12 @@ class Settings:
     # --batch-invariant: a seeded request's tokens do not depend on what runs beside it
     # (decode attention per row, prompts read one at a time, seeded prompts not from cache).
     batch_invariant: bool = False
+    # --distributed: tensor parallel over mlx.distributed's group (mlx.launch starts the ranks);
+    # rank 0 serves HTTP, the others follow its plans (actors/model_runner/distributed.py).
+    distributed: bool = False
+    # --distributed-timeout: a collective or step longer than this ends the rank (a peer died
+    # or stalled).
+    distributed_timeout: float = 60.0
     # N-gram speculation (--no-spec-ngram, --spec-ngram-max): rows propose continuations of
     # their own earlier text and check them in the batch step, while it pays.
     spec_ngram: bool = True

@@ -59,15 +59,31 @@ class ModelRunner:
             on_cancel=stop,
         )
 
+    async def _next_plan(self, wait_s: float) -> StepPlan | None:
+        with trio.move_on_after(wait_s):
+            return await self._plans.receive()
+        return None
+
     def _thread_main(
         self, report: Callable[[ModelInfo], None], token: trio.lowlevel.TrioToken
     ) -> None:
         backend = self._build()
+        # --distributed: rank 0's backend pings the other ranks when no plan came for this
+        # long (distributed.py); None everywhere else, where the wait has no timeout.
+        heartbeat_s: float | None = getattr(backend, "heartbeat_s", None)
         try:
             trio.from_thread.run_sync(report, backend.info, trio_token=token)
             while True:
                 try:
-                    plan = trio.from_thread.run(self._plans.receive, trio_token=token)
+                    if heartbeat_s is None:
+                        plan = trio.from_thread.run(self._plans.receive, trio_token=token)
+                    elif (
+                        got := trio.from_thread.run(self._next_plan, heartbeat_s, trio_token=token)
+                    ) is None:
+                        backend.heartbeat()  # type: ignore[attr-defined]  # set with heartbeat_s
+                        continue
+                    else:
+                        plan = got
                 except (trio.EndOfChannel, trio.ClosedResourceError):
                     return
                 output = backend.apply(plan)
