@@ -984,10 +984,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.distributed:
         # One model, and nothing that acts on rank 0's state alone: a draft model's
         # proposals, or a slot restored into rank 0's cache only, would desynchronise the ranks.
+        # LoRA adapters would have to be split like the layers they adapt (not done).
         for flag, value in (
             ("--model-draft", args.model_draft),
             ("--models-dir", args.models_dir),
             ("--slot-save-path", args.slot_save_path),
+            ("--lora", args.lora),
         ):
             if value:
                 raise SystemExit(f"error: --distributed cannot be used with {flag}")
