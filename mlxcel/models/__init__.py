@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mlxcel.models import fd_limit
 from mlxcel.models.blas import BlasInfo, preload_blas
 from mlxcel.models.errors import ModelError, ModelNotFound, UnsupportedModel
 
 BLAS: BlasInfo = preload_blas()
+# mlx_lm would lower the open-file limit when imported (fd_limit.py).
+fd_limit.install()
 
 if TYPE_CHECKING:
     from mlxcel.models.gguf import convert_gguf

@@ -231,3 +231,44 @@ def test_rank_0_lost_ends_rank_1(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert code in (1, 3), pair.log()
     finally:
         pair.stop()
+
+
+def test_a_stalled_rank_ends_rank_0_by_the_watchdog(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A rank that stops answering without dying (SIGSTOP: its connections stay open, so no
+    collective fails) leaves rank 0's step waiting: the watchdog ends it after the deadline,
+    with /health 503 while it drains, instead of a server that hangs forever."""
+    import signal
+
+    pair = Ranks(tiny_model_dir, tmp_path)
+    body = {"prompt": "Once upon a time", "n_predict": 4000, "temperature": 0, "stream": True}
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", f"{pair.base_url}/completion", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+
+    reader = threading.Thread(target=stream)
+    try:
+        reader.start()
+        time.sleep(1.0)
+        pair.procs[1].send_signal(signal.SIGSTOP)
+        stalled = time.monotonic()
+        seen = set()
+        while pair.procs[0].poll() is None and time.monotonic() - stalled < 30:
+            try:
+                seen.add(httpx.get(f"{pair.base_url}/health", timeout=1).status_code)
+            except httpx.TransportError:
+                seen.add(0)
+            time.sleep(0.1)
+        took = time.monotonic() - stalled
+        assert pair.procs[0].poll() == 3, pair.log()  # the watchdog's exit
+        assert DEADLINE_S <= took < DEADLINE_S + 2 + 6, took
+        assert 503 in seen, (seen, pair.log())
+    finally:
+        pair.procs[1].send_signal(signal.SIGCONT)
+        pair.procs[1].kill()
+        pair.stop()
+        reader.join(timeout=10)

@@ -218,3 +218,20 @@ def test_llama_arg_env_sets_the_alias(tiny_model_dir: Path) -> None:
         assert r.status_code == 200 and r.json()["model"] == "my-alias"
     finally:
         server.stop()
+
+
+def test_the_server_keeps_the_open_file_limit_it_was_given(
+    single_slot_server: ServerProcess,
+) -> None:
+    # mlx_lm lowers RLIMIT_NOFILE to (2048, 4096) when imported (models/fd_limit.py); a server
+    # holds a descriptor per connection, so it must keep what the operator gave it.
+    import resource
+
+    single_slot_server.proc.poll()
+    httpx.post(
+        single_slot_server.base_url + "/completion", json={"prompt": "Hi", "n_predict": 1}
+    ).raise_for_status()  # the model (and mlx_lm) is loaded by now
+    limits = Path(f"/proc/{single_slot_server.proc.pid}/limits").read_text()
+    line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
+    soft, hard = (int(v) for v in line.split()[3:5])
+    assert (soft, hard) == resource.getrlimit(resource.RLIMIT_NOFILE)
