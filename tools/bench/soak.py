@@ -420,9 +420,15 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
         await Load(http, random.Random(0), wav).each_once(warm)
         for failure in warm.failures:
             missed.append(f"warm-up: {failure}")
-        print(f"start: rss {rss_mb(pid):.0f} MB, sanity {first!r}", flush=True)
+        # The voices start before the first measure, and each has its first answer back: what
+        # a realtime session sets up once (its voice activity model, the speech models' first
+        # turn) is then not counted as growth of whichever wave it happened to land in.
         for v in voices:
             nursery.start_soon(v.run, base, args.voice_period, stop)
+        with trio.move_on_after(120):
+            while any(not v.answers and not v.closed_early for v in voices):  # noqa: ASYNC110 - a poll
+                await trio.sleep(0.5)
+        print(f"start: rss {rss_mb(pid):.0f} MB, sanity {first!r}", flush=True)
         for w in range(args.waves):
             t0 = time.monotonic()
             tally = await wave(base, args, seed=w + 1)
