@@ -158,6 +158,34 @@ def test_concurrent_mixed_batch_equals_solo(single: ServerProcess, ranks: Ranks)
     assert completion(ranks.base_url, *PROMPTS[0]) == solo[0]
 
 
+def long_stream(base_url: str, ended: threading.Event) -> threading.Thread:
+    """A client reading a long greedy stream until the server ends it (set ``ended`` then)."""
+    body = {"prompt": "Once upon a time", "n_predict": 4000, "temperature": 0, "stream": True}
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", f"{base_url}/completion", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass
+        ended.set()
+
+    return threading.Thread(target=read)
+
+
+def health_until_exit(pair: Ranks, since: float, limit: float) -> set[int]:
+    """/health's answers (0: not listening) until rank 0 exits or ``limit`` seconds pass."""
+    seen = set()
+    while pair.procs[0].poll() is None and time.monotonic() - since < limit:
+        try:
+            seen.add(httpx.get(f"{pair.base_url}/health", timeout=1).status_code)
+        except httpx.TransportError:
+            seen.add(0)
+        time.sleep(0.1)
+    return seen
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["idle", "streaming"])
 def test_rank_lost_ends_rank_0(tiny_model_dir: Path, tmp_path: Path, streaming: bool) -> None:
     """Killing rank 1 ends rank 0 within the deadline, idle (its next ping's collective fails
@@ -165,31 +193,14 @@ def test_rank_lost_ends_rank_0(tiny_model_dir: Path, tmp_path: Path, streaming: 
     /health 503, then the process exits non-zero instead of hanging."""
     pair = Ranks(tiny_model_dir, tmp_path)
     stream_ended = threading.Event()
-
-    def stream() -> None:
-        body = {"prompt": "Once upon a time", "n_predict": 4000, "temperature": 0, "stream": True}
-        try:
-            with httpx.stream("POST", f"{pair.base_url}/completion", json=body, timeout=60) as r:
-                for _ in r.iter_lines():
-                    pass
-        except httpx.HTTPError:
-            pass
-        stream_ended.set()
-
-    reader = threading.Thread(target=stream)
+    reader = long_stream(pair.base_url, stream_ended)
     try:
         if streaming:
             reader.start()
             time.sleep(1.0)
         pair.procs[1].kill()
         killed = time.monotonic()
-        seen = set()
-        while pair.procs[0].poll() is None and time.monotonic() - killed < 20:
-            try:
-                seen.add(httpx.get(f"{pair.base_url}/health", timeout=1).status_code)
-            except httpx.TransportError:
-                seen.add(0)  # no longer listening
-            time.sleep(0.1)
+        seen = health_until_exit(pair, killed, 20)
         took = time.monotonic() - killed
         # The idle ping (every 1 s), the deadline, the drain (2 s), and slack for this CPU.
         # 3: the watchdog ended a stalled collective; 1: a collective failed (the peer's
@@ -240,29 +251,13 @@ def test_a_stalled_rank_ends_rank_0_by_the_watchdog(tiny_model_dir: Path, tmp_pa
     import signal
 
     pair = Ranks(tiny_model_dir, tmp_path)
-    body = {"prompt": "Once upon a time", "n_predict": 4000, "temperature": 0, "stream": True}
-
-    def stream() -> None:
-        try:
-            with httpx.stream("POST", f"{pair.base_url}/completion", json=body, timeout=60) as r:
-                for _ in r.iter_lines():
-                    pass
-        except httpx.HTTPError:
-            pass
-
-    reader = threading.Thread(target=stream)
+    reader = long_stream(pair.base_url, threading.Event())
     try:
         reader.start()
         time.sleep(1.0)
         pair.procs[1].send_signal(signal.SIGSTOP)
         stalled = time.monotonic()
-        seen = set()
-        while pair.procs[0].poll() is None and time.monotonic() - stalled < 30:
-            try:
-                seen.add(httpx.get(f"{pair.base_url}/health", timeout=1).status_code)
-            except httpx.TransportError:
-                seen.add(0)
-            time.sleep(0.1)
+        seen = health_until_exit(pair, stalled, 30)
         took = time.monotonic() - stalled
         assert pair.procs[0].poll() == 3, pair.log()  # the watchdog's exit
         assert DEADLINE_S <= took < DEADLINE_S + 2 + 6, took

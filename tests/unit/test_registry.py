@@ -8,6 +8,8 @@ eviction for two waiters, a waiter that leaves, a failed load.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -55,9 +57,14 @@ class Farm:
             self.unloads.append(name)
 
 
-def registry(farm: Farm, **kw: Any) -> Registry:
-    names = {n: n for n in ("a", "b", "c", "bad")}
-    return Registry(names, farm.host, router=True, **kw)
+@asynccontextmanager
+async def running(farm: Farm, **kw: Any) -> AsyncIterator[Registry]:
+    """A router-mode registry over the farm's models a, b, c and bad, running."""
+    reg = Registry({n: n for n in ("a", "b", "c", "bad")}, farm.host, router=True, **kw)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(reg.run)
+        yield reg
+        nursery.cancel_scope.cancel()
 
 
 async def status(reg: Registry, name: str) -> str:
@@ -74,42 +81,34 @@ async def use(reg: Registry, name: str, seconds: float = 0.0) -> None:
 
 async def test_requests_for_one_model_share_its_load(autojump_clock: Any) -> None:
     farm = Farm()
-    reg = registry(farm, max_loaded=2)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reg.run)
+    async with running(farm, max_loaded=2) as reg:
         async with trio.open_nursery() as requests:
             for _ in range(3):
                 requests.start_soon(use, reg, "a")
         assert farm.loads == ["a"]
         assert await status(reg, "a") == "loaded"
-        nursery.cancel_scope.cancel()
 
 
 async def test_the_least_recently_used_idle_model_makes_room(autojump_clock: Any) -> None:
     farm = Farm()
-    reg = registry(farm, max_loaded=2)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reg.run)
+    async with running(farm, max_loaded=2) as reg:
         await use(reg, "a")
         await use(reg, "b")
         await use(reg, "a")
         await use(reg, "c")
         assert farm.unloads == ["b"]
         assert [await status(reg, n) for n in "abc"] == ["loaded", "unloaded", "loaded"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_busy_model_stays_and_waiters_are_served_in_order(autojump_clock: Any) -> None:
     farm = Farm()
-    reg = registry(farm, max_loaded=1)
     done: list[str] = []
 
     async def request(name: str, seconds: float) -> None:
         await use(reg, name, seconds)
         done.append(name)
 
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reg.run)
+    async with running(farm, max_loaded=1) as reg:
         await use(reg, "a")
         async with trio.open_nursery() as requests:
             requests.start_soon(request, "a", 20.0)  # holds a for 20 s
@@ -122,14 +121,11 @@ async def test_a_busy_model_stays_and_waiters_are_served_in_order(autojump_clock
             assert farm.unloads == [] and await status(reg, "a") == "loaded"
         assert done == ["a", "b", "c"], (farm.loads, farm.unloads)
         assert farm.unloads == ["a", "b"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_two_waiters_for_one_place_share_one_eviction(autojump_clock: Any) -> None:
     farm = Farm()
-    reg = registry(farm, max_loaded=1)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reg.run)
+    async with running(farm, max_loaded=1) as reg:
         await use(reg, "a")
         async with trio.open_nursery() as requests:
             requests.start_soon(use, reg, "b")
@@ -137,14 +133,11 @@ async def test_two_waiters_for_one_place_share_one_eviction(autojump_clock: Any)
         # They arrived together (in either order): both served, a given up once.
         assert farm.loads[0] == "a" and sorted(farm.loads[1:]) == ["b", "c"]
         assert farm.unloads == ["a", farm.loads[1]]
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_waiter_that_leaves_costs_no_model_its_place(autojump_clock: Any) -> None:
     farm = Farm()
-    reg = registry(farm, max_loaded=1)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reg.run)
+    async with running(farm, max_loaded=1) as reg:
         await use(reg, "a")
         async with trio.open_nursery() as requests:
             requests.start_soon(use, reg, "a", 30.0)
@@ -154,14 +147,11 @@ async def test_a_waiter_that_leaves_costs_no_model_its_place(autojump_clock: Any
         await trio.sleep(10)
         assert farm.loads == ["a"] and farm.unloads == []
         assert await status(reg, "b") == "unloaded"
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_failed_load_is_reported_and_tried_again_later(autojump_clock: Any) -> None:
     farm = Farm()
-    reg = registry(farm, max_loaded=2)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reg.run)
+    async with running(farm, max_loaded=2) as reg:
         with pytest.raises(InternalError, match="no such architecture"):
             await use(reg, "bad")
         assert await status(reg, "bad") == "failed"
@@ -169,14 +159,11 @@ async def test_a_failed_load_is_reported_and_tried_again_later(autojump_clock: A
         with pytest.raises(InternalError):
             await use(reg, "bad")
         assert farm.loads == ["bad", "a", "bad"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_names_and_autoload(autojump_clock: Any) -> None:
     farm = Farm()
-    reg = registry(farm, max_loaded=2, autoload=False)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(reg.run)
+    async with running(farm, max_loaded=2, autoload=False) as reg:
         with pytest.raises(NotFound, match="a, b, bad, c"):
             await reg.get("gpt-4o")
         with pytest.raises(InvalidRequest, match="/models/load"):
@@ -187,4 +174,3 @@ async def test_names_and_autoload(autojump_clock: Any) -> None:
         assert await status(reg, "a") == "loaded"
         await reg.unload("a")
         assert await status(reg, "a") == "unloaded" and farm.unloads == ["a"]
-        nursery.cancel_scope.cancel()
