@@ -61,7 +61,6 @@ class Entry:
     # Asked for by /models/load (kept queued even with nobody waiting).
     pinned_load: bool = False
     error: str | None = None
-    loaded_at: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -82,7 +81,6 @@ class ModelStatus:
     status: str
     hosted: Hosted | None
     error: str | None
-    loaded_at: float | None
 
 
 _leases: contextvars.ContextVar[list[Entry] | None] = contextvars.ContextVar(
@@ -133,7 +131,7 @@ class Registry:
                 (entry,) = self._entries.values()
                 entry.status = LOADING
                 entry.hosted = await nursery.start(self._host_forever, entry)
-                entry.status, entry.loaded_at = LOADED, time.time()
+                entry.status = LOADED
             task_status.started()
             await trio.sleep_forever()
 
@@ -152,7 +150,7 @@ class Registry:
 
     def listing(self) -> list[ModelStatus]:
         return [
-            ModelStatus(e.name, e.source, e.status, e.hosted, e.error, e.loaded_at)
+            ModelStatus(e.name, e.source, e.status, e.hosted, e.error)
             for e in sorted(self._entries.values(), key=lambda e: e.name)
         ]
 
@@ -353,7 +351,7 @@ class Registry:
             with entry.scope:
                 async with trio.open_nursery() as nursery:
                     entry.hosted = await nursery.start(self._host_forever, entry)
-                    entry.status, entry.loaded_at = LOADED, time.time()
+                    entry.status = LOADED
                     entry.last_used = time.monotonic()
                     log.info("loaded %s in %.1f s", entry.name, time.perf_counter() - started)
                     self._notify()
@@ -370,7 +368,7 @@ class Registry:
                 # Its pipeline is gone (unloaded, or one of its actors failed): a request
                 # still holding a slot there ends now, with an error, instead of waiting on.
                 entry.hosted.admission.interrupt_all()
-            entry.hosted, entry.scope, entry.loaded_at = None, None, None
+            entry.hosted, entry.scope = None, None
             self._notify()
             self._pump()
 

@@ -77,13 +77,13 @@ def unload_all(server: ServerProcess) -> None:
 
 
 def chat(server: ServerProcess, model: str, text: str = "Hello", n: int = 8) -> Any:
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-    return client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": text}],
-        max_tokens=n,
-        temperature=0,
-    )
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0) as client:
+        return client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=n,
+            temperature=0,
+        )
 
 
 def test_the_list_shows_every_model_and_where_it_stands(router: ServerProcess) -> None:
@@ -318,7 +318,7 @@ def test_a_busy_model_is_never_unloaded_and_a_client_that_leaves_costs_nothing(
     body = {
         "model": "tiny-a",
         "messages": [{"role": "user", "content": "Go on."}],
-        "max_tokens": 300,
+        "max_tokens": 1500,  # seconds of streaming: well past the waiting client's 1 s
         "ignore_eos": True,
         "stream": True,
     }
@@ -327,11 +327,10 @@ def test_a_busy_model_is_never_unloaded_and_a_client_that_leaves_costs_nothing(
         next(line for line in lines if line.startswith("data:"))
         # tiny-b needs tiny-a's place, and tiny-a is streaming: the request waits; its
         # client gives up first.
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(
+        with httpx.Client(timeout=1.0) as leaving, pytest.raises(httpx.ReadTimeout):
+            leaving.post(
                 base + "/v1/chat/completions",
                 json={"model": "tiny-b", "messages": [{"role": "user", "content": "Hi"}]},
-                timeout=1.0,
             )
         assert statuses(single_slot)["tiny-a"] == "loaded"
         frames = [json.loads(x[5:]) for x in lines if x.startswith("data: {")]

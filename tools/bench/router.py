@@ -30,11 +30,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
 
-def rss(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(x for x in status.splitlines() if x.startswith("VmRSS")).split()[1]) << 10
-
-
 def stream(base: str, stop: threading.Event, arrivals: list[float]) -> None:
     body = {
         "model": "tiny",
@@ -69,6 +64,7 @@ def main() -> None:
     a = p.parse_args()
 
     from serving import float32_folder
+    from soak import rss_mb
 
     from mlxcel.models.resolve import resolve_model
     from tests.conftest import free_port
@@ -116,17 +112,16 @@ def main() -> None:
         unload = {"model": "smollm2"}
         httpx.post(base + "/models/unload", json=unload, timeout=120)
         for cycle in range(1, a.cycles + 1):
-            before = rss(proc.pid)
+            before = rss_mb(proc.pid)
             httpx.post(
                 base + "/v1/chat/completions", json={**chat, "model": "smollm2"}, timeout=300
             )
-            up = rss(proc.pid)
+            up = rss_mb(proc.pid)
             httpx.post(base + "/models/unload", json=unload, timeout=120)
-            after = rss(proc.pid)
-            mib = 1 << 20
+            after = rss_mb(proc.pid)
             print(
-                f"cycle {cycle}: RSS before {before / mib:6.0f} MiB, loaded {up / mib:6.0f} MiB, "
-                f"unloaded {after / mib:6.0f} MiB (kept {(after - before) / mib:+.0f} MiB)"
+                f"cycle {cycle}: RSS before {before:6.0f} MiB, loaded {up:6.0f} MiB, "
+                f"unloaded {after:6.0f} MiB (kept {after - before:+.0f} MiB)"
             )
     finally:
         proc.terminate()
