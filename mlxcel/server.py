@@ -35,7 +35,7 @@ from mlxcel.actors.side_models import (
     start_side_models,
 )
 from mlxcel.actors.stream_sessions import StreamSessions
-from mlxcel.drain import drain
+from mlxcel.drain import CLOSE_MARGIN, drain
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
 from mlxcel.http.inflight import InFlight
@@ -229,6 +229,8 @@ async def serve(
         await root.start(session_store.run)
         streams = StreamSessions()
         await root.start(streams.run)
+        background = StreamSessions()
+        await root.start(background.run)
 
         ctx = ServerContext(
             settings=settings,
@@ -241,6 +243,7 @@ async def serve(
             stt=audio.stt,
             tts=audio.tts,
             streams=streams,
+            background=background,
             lora=lora,
         )
         metrics.live.scheduler = registry.statistics
@@ -279,6 +282,10 @@ async def serve(
         else:
             await stop.wait()
         await drain(registry, ctx.long_lived, app, settings.graceful_timeout)
+        # Background responses' generations have ended with the drain; each stores its final
+        # object before its body ends.
+        with trio.move_on_after(CLOSE_MARGIN):
+            await background.wait_idle()
         # Hypercorn's own grace period would also wait for idle keep-alive connections, so it
         # only gets a short one: by now every response has been written.
         http_stop.set()

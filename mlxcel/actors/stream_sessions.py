@@ -53,6 +53,9 @@ class StreamSession:
         # Bytes dropped from the front of the buffer: the stream offset of its first byte.
         self.dropped = 0
         self._buf = bytearray()
+        # The stream offset where each appended chunk began: a chunk is one SSE frame, so a
+        # Responses stream's frame n is its event of sequence_number n (background resume).
+        self._starts: list[int] = []
         self._cap = cap
         self._clock = clock
         self._changed = trio.Event()
@@ -66,12 +69,19 @@ class StreamSession:
     def append(self, data: bytes) -> None:
         if self.done or not data:
             return
+        self._starts.append(self.total_bytes)
         self._buf += data
         over = len(self._buf) - self._cap
         if over > 0:
             del self._buf[:over]
             self.dropped += over
         self._wake()
+
+    def offset_after(self, frame: int) -> int:
+        """The stream offset just past frame ``frame`` (-1: the start); past the last frame
+        so far, the current end, so a reader waits there for what comes."""
+        after = frame + 1
+        return self._starts[after] if 0 <= after < len(self._starts) else self.total_bytes
 
     def finish(self) -> None:
         if not self.done:
@@ -127,6 +137,8 @@ class StreamSessions:
         self._clock = clock
         self._sessions: dict[tuple[Owner, str], StreamSession] = {}
         self._nursery: trio.Nursery | None = None
+        self._bodies = 0  # bodies still running
+        self._body_ended = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host the stream bodies and sweep expired sessions. Cancelling it closes every body
@@ -161,8 +173,15 @@ class StreamSessions:
         if previous is not None:
             log.info("stream %r replaced: the previous one is cancelled", conversation_id)
             previous.cancel()
+        self._bodies += 1
         self._nursery.start_soon(self._drain, session, body, on_drop)
         return session
+
+    async def wait_idle(self) -> None:
+        """Until no body runs: the shutdown waits here for background responses, which store
+        their final object once their generation has ended."""
+        while self._bodies:
+            await self._body_ended.wait()
 
     async def _drain(
         self, session: StreamSession, body: AsyncIterator[bytes], on_drop: Callable[[], None]
@@ -184,6 +203,9 @@ class StreamSessions:
                     await aclose()
             on_drop()
             session.finish()
+            self._bodies -= 1
+            self._body_ended.set()
+            self._body_ended = trio.Event()
 
     def get(self, owner: Owner, conversation_id: str) -> StreamSession | None:
         self.sweep()

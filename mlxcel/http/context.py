@@ -197,6 +197,8 @@ class ServerContext:
     tts: TextToSpeech | None = None
     # Resumable streams (X-Conversation-Id), run by their own actor.
     streams: StreamSessions = attrs.field(factory=StreamSessions)
+    # Responses created with `background: true`, keyed by response id; same actor class.
+    background: StreamSessions = attrs.field(factory=StreamSessions)
     # --lora adapters and their global scales (/lora-adapters).
     lora: LoraTable = attrs.field(factory=LoraTable)
 

@@ -9,6 +9,11 @@ which finishes the response as ``cancelled``. Whatever way the handler ends, its
 cancels the slot (a disconnect aborts the generation at the next step boundary) and removes
 the running entry. A stored response is written before its last event is sent, so a client
 that saw ``response.completed`` can retrieve it at once.
+
+``background: true`` runs the same event stream in the background actor (a ``StreamSessions``
+keyed by response id) instead of in the request: the response goes on without its client, is
+polled and cancelled as any running one (on any replica of a shared store), and its events
+can be followed again from a sequence number.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from mlxcel.actors.session_store import Running, SessionStore
+from mlxcel.actors.stream_sessions import CLOSE_GRACE_S, StreamSession
 from mlxcel.http import heard, sse
 from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
 from mlxcel.http.openai import start_generation
@@ -38,6 +44,7 @@ from mlxcel.http.responses_wire import (
 from mlxcel.runtime import truncation
 from mlxcel.runtime.errors import (
     ContextOverflow,
+    InternalError,
     InvalidRequest,
     MlxcelError,
     NotFound,
@@ -148,7 +155,7 @@ def _echo(
         "text": body.text or {"format": {"type": "text"}},
         "truncation": body.truncation or "disabled",
         "store": stored,
-        "background": False,
+        "background": bool(body.background),
         "user": body.user,
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
@@ -183,10 +190,12 @@ class _Turn:
             model.info.tokenizer, gen.logprobs is not None, body.max_tool_calls
         )
         self.running = Running(self.snapshot, slot)
+        self.background = bool(body.background)
+        self.finished = False
         self._seq = 0
 
     def snapshot(self) -> dict[str, Any]:
-        return response_object(self.base, "in_progress", self.builder.items)
+        return response_object(self.base, "in_progress", self.builder.live_items())
 
     def event(self, event: dict[str, Any]) -> bytes:
         frame = {**event, "sequence_number": self._seq}
@@ -195,6 +204,7 @@ class _Turn:
 
     async def finish(self, finish_reason: str | None, error: MlxcelError | None) -> dict[str, Any]:
         """Close the output, build the final object, store it when asked; returns the object."""
+        self.finished = True
         cut = finish_reason == "length"
         self.final_events = self.builder.finish(incomplete=cut)
         slot = self.slot
@@ -268,6 +278,8 @@ async def create() -> Response:
     model = await ctx.model(body.model)
     require_generation(model.generation)
     store = store_of(ctx)
+    if body.background and not store.enabled("responses"):
+        raise InvalidRequest(STORE_OFF, param="background")
     items = await _heard(ctx, _input(ctx, model, body.input))
     history, conv = await load_history(store, body)
     rid = new_id("resp")
@@ -296,6 +308,8 @@ async def create() -> Response:
         raise
     turn = _Turn(ctx, model, body, gen, slot, base, items, history, conv)
     store.begin_running(rid, turn.running)
+    if body.background:
+        return _background(ctx, turn, stream=bool(body.stream))
     if body.stream:
         return sse.response(_stream(turn), turn.close)
     try:
@@ -348,14 +362,41 @@ def _starts_turn(item: dict[str, Any]) -> bool:
     return item.get("type", "message") == "message" and item.get("role") == "user"
 
 
+def _background(ctx: ServerContext, turn: _Turn, *, stream: bool) -> Response:
+    """``background: true``: the event stream runs in the background actor, not in this
+    request, so the response goes on when the client leaves. Without ``stream`` the answer is
+    the queued response, to be polled (GET) or cancelled; with it, the client follows the
+    events, and ``GET ...?stream=true&starting_after=N`` picks them up again later."""
+    session = ctx.background.attach("", turn.base["id"], _stream(turn), turn.close)
+    if stream:
+        return _follow(ctx, session, -1)
+    return _json(response_object(turn.base, "queued", []))
+
+
+def _follow(ctx: ServerContext, session: StreamSession, after: int) -> Response:
+    offset = session.offset_after(after)
+    if offset < session.dropped:
+        raise InvalidRequest(
+            f"the events after {after} are no longer kept: start again from a later one",
+            param="starting_after",
+        )
+    return Response(
+        session.follow(offset, ctx.ping_interval),
+        content_type="text/event-stream",
+        headers=sse.HEADERS,
+    )
+
+
 async def _stream(turn: _Turn) -> AsyncIterator[bytes]:
     """The typed event stream. Cancellation (the client went away) aborts the generation in
-    the ``finally``; nothing is stored for a response nobody received."""
+    the ``finally``; nothing is stored for a response nobody received, except a background
+    one, which is stored as failed (a poller must not wait for it forever)."""
     ctx = turn.ctx
     ping = ctx.ping_interval
     try:
         start = turn.snapshot()
-        yield turn.event({"type": "response.created", "response": start})
+        created = {**start, "status": "queued"} if turn.background else start
+        yield turn.event({"type": "response.created", "response": created})
         yield turn.event({"type": "response.in_progress", "response": start})
         finish, error = None, None
         while finish is None:
@@ -382,6 +423,9 @@ async def _stream(turn: _Turn) -> AsyncIterator[bytes]:
         }[obj["status"]]
         yield turn.event({"type": terminal, "response": obj})
     finally:
+        if turn.background and not turn.finished:
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_GRACE_S):
+                await turn.finish(None, InternalError("the server stopped generating it"))
         turn.close()
 
 
@@ -402,11 +446,11 @@ async def _stored(rid: str) -> dict[str, Any]:
 @bp.get("/responses/<rid>")
 async def retrieve(rid: str) -> Response:
     store = store_of(server())
+    if request.args.get("stream") in ("true", "1"):
+        return _stream_again(rid)
     snapshot = store.running_snapshot(rid)
     if snapshot is not None:
         return _json(snapshot)
-    if request.args.get("stream") in ("true", "1"):
-        raise InvalidRequest("streaming a stored response again is not supported", param="stream")
     try:
         return _json((await _stored(rid))["response"])
     except NotFound:
@@ -416,12 +460,34 @@ async def retrieve(rid: str) -> Response:
         return _json(elsewhere)
 
 
+def _stream_again(rid: str) -> Response:
+    """A background response's events after ``starting_after`` (from the first without it),
+    live until it ends: kept on the replica that runs it, for 5 minutes after it ends."""
+    ctx = server()
+    raw = request.args.get("starting_after", "").strip()
+    if raw and not raw.isdigit():
+        raise InvalidRequest(
+            "starting_after must be an event's sequence_number", param="starting_after"
+        )
+    session = ctx.background.get("", rid)
+    if session is None:
+        raise InvalidRequest(
+            "only a background response can be streamed again, from the replica that runs it "
+            "and until 5 minutes after it ends",
+            param="stream",
+        )
+    return _follow(ctx, session, int(raw) if raw else -1)
+
+
 @bp.delete("/v1/responses/<rid>")
 @bp.delete("/responses/<rid>")
 async def delete(rid: str) -> Response:
     store = store_of(server())
     if not store.enabled("responses"):
         raise InvalidRequest(STORE_OFF)
+    # A response still running (in the background) stops first: nothing is left generating
+    # for a response that no longer exists.
+    await store.cancel_running(rid)
     deleted = await store.delete("responses", rid)
     return _json({"id": rid, "object": "response.deleted", "deleted": deleted})
 

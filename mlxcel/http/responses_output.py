@@ -55,6 +55,20 @@ class OutputBuilder:
         """Close what is open; an item cut off by the token limit is `incomplete`."""
         return self._close("incomplete" if incomplete else "completed")
 
+    def live_items(self) -> list[dict[str, Any]]:
+        """The items as they stand, the open one with its text so far: what a poll of a
+        running response shows (a function call's arguments grow in place already)."""
+        items = [_copy(item) for item in self.items]
+        if self._open is not None and self._open["type"] != "function_call":
+            text = "".join(self._text)
+            part: dict[str, Any] = (
+                {"type": "reasoning_text", "text": text}
+                if self._open["type"] == "reasoning"
+                else {"type": "output_text", "text": text, "annotations": []}
+            )
+            items[self.items.index(self._open)]["content"] = [part]
+        return items
+
     @property
     def has_calls(self) -> bool:
         return any(item["type"] == "function_call" for item in self.items)

@@ -89,10 +89,10 @@ def new_id(prefix: str) -> str:
 def parse_body(data: Any) -> ResponsesBody:
     """Structure and check everything that needs neither the store nor the model."""
     body = structure(data, ResponsesBody)
-    if body.background:
+    if body.background and body.store is False:
         raise InvalidRequest(
-            "background responses are not supported: this server has no async polling; "
-            "send the request with stream or wait for it",
+            "background responses are stored (that is how they are polled): "
+            "leave store out or set it to true",
             param="background",
         )
     if body.truncation not in (None, "disabled", "auto"):

@@ -4,7 +4,9 @@ and a restart on the same dir must keep what was stored."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.support.metrics import slots_idle
 
 _OPEN: list[openai.OpenAI] = []
 
@@ -180,11 +183,110 @@ def test_cancel_an_in_flight_stream(server: ServerProcess) -> None:
     assert n < 10_000
 
 
+def _until_done(client: openai.OpenAI, rid: str) -> tuple[Any, set[str]]:
+    seen: set[str] = set()
+    for _ in range(600):
+        r = client.responses.retrieve(rid)
+        seen.add(r.status or "")
+        if r.status not in ("queued", "in_progress"):
+            return r, seen
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} still {r.status} after 30 s")
+
+
+def _wait_running(client: openai.OpenAI, rid: str) -> None:
+    for _ in range(600):
+        running = client.responses.retrieve(rid)
+        if running.status == "in_progress" and running.output_text:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} never showed output")
+
+
+def test_a_background_response_is_polled_to_its_end(server: ServerProcess) -> None:
+    client = sdk(server)
+    r = client.responses.create(
+        model="default", input="Tell me a long story.", background=True, max_output_tokens=300
+    )
+    assert r.status == "queued" and r.background is True and r.output == []
+    final, seen = _until_done(client, r.id)
+    assert "in_progress" in seen  # it ran after the request had been answered
+    assert final.status == "incomplete" and final.background is True
+    assert final.usage is not None and final.usage.output_tokens == 300 and final.output_text
+    (item,) = client.responses.input_items.list(r.id).data
+    assert item.type == "message"
+
+
+def test_a_background_response_is_cancelled(server: ServerProcess) -> None:
+    client = sdk(server)
+    r = client.responses.create(
+        model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+    )
+    _wait_running(client, r.id)
+    cancelled = client.responses.cancel(r.id)
+    got = client.responses.retrieve(r.id)
+    assert cancelled.status == "cancelled" and got.status == "cancelled"
+    assert got.usage is not None and 0 < got.usage.output_tokens < 100_000
+    assert slots_idle(server.base_url)
+
+
+def test_a_background_stream_outlives_its_client_and_resumes(server: ServerProcess) -> None:
+    body = {
+        "model": "default",
+        "input": "Tell me a story.",
+        "background": True,
+        "stream": True,
+        "max_output_tokens": 200,
+        "temperature": 0,
+    }
+    first: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                first.append(json.loads(line[6:]))
+                if len(first) == 8:
+                    break  # the client leaves: the response goes on
+    rid = first[0]["response"]["id"]
+    assert first[0]["response"]["status"] == "queued"
+    assert [e["sequence_number"] for e in first] == list(range(8))
+    client = sdk(server)
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=7))
+    assert [e.sequence_number for e in rest] == list(range(8, 8 + len(rest)))
+    assert rest[-1].type == "response.incomplete"
+    deltas = [e["delta"] for e in first if e["type"] == "response.output_text.delta"]
+    deltas += [e.delta for e in rest if e.type == "response.output_text.delta"]
+    stored = client.responses.retrieve(rid)
+    assert "".join(deltas) == stored.output_text and stored.usage is not None
+    assert stored.usage.output_tokens == 200
+    # From the start, all of it again.
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in again] == list(range(8 + len(rest)))
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.retrieve(rid, stream=True, starting_after="x")  # type: ignore[arg-type]
+    assert bad.value.body["param"] == "starting_after"  # type: ignore[index]
+
+
+def test_deleting_a_running_background_response_stops_it(server: ServerProcess) -> None:
+    client = sdk(server)
+    r = client.responses.create(
+        model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+    )
+    _wait_running(client, r.id)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    assert slots_idle(server.base_url)
+
+
 def test_error_envelopes(server: ServerProcess) -> None:
     client = sdk(server)
     with pytest.raises(openai.BadRequestError) as bad:
-        client.responses.create(model="default", input="x", background=True)
+        client.responses.create(model="default", input="x", background=True, store=False)
     assert bad.value.body["param"] == "background"  # type: ignore[index]
+    r = client.responses.create(model="default", input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as again:
+        client.responses.retrieve(r.id, stream=True)
+    assert again.value.body["param"] == "stream"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as tool:
         client.responses.create(model="default", input="x", tools=[{"type": "web_search"}])
     assert "web_search" in tool.value.message
@@ -211,6 +313,28 @@ def test_restart_keeps_stored_responses(tiny_model_dir: Path, tmp_path: Path) ->
     assert chained.previous_response_id == r.id
 
 
+def test_a_shutdown_ends_and_stores_a_background_response(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    first = start(tiny_model_dir, tmp_path, "--graceful-timeout", "4")
+    try:
+        client = sdk(first)
+        r = client.responses.create(
+            model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+        )
+        _wait_running(client, r.id)
+    finally:
+        status = first.stop()  # SIGTERM: the drain ends the generation
+    second = start(tiny_model_dir, tmp_path)
+    try:
+        got = sdk(second).responses.retrieve(r.id)
+    finally:
+        second.stop()
+    assert status == 0
+    assert got.status == "incomplete" and got.output_text
+    assert got.usage is not None and 0 < got.usage.output_tokens < 100_000
+
+
 def test_store_off_says_so(tiny_model_dir: Path, tmp_path: Path) -> None:
     s = start(tiny_model_dir, tmp_path, "--responses-store-max-entries", "0")
     try:
@@ -218,7 +342,10 @@ def test_store_off_says_so(tiny_model_dir: Path, tmp_path: Path) -> None:
         r = client.responses.create(model="default", input="Hi", max_output_tokens=2)
         with pytest.raises(openai.BadRequestError) as off:
             client.responses.retrieve(r.id)
+        with pytest.raises(openai.BadRequestError) as background:
+            client.responses.create(model="default", input="Hi", background=True)
     finally:
         s.stop()
     assert r.store is False
     assert "--responses-store-max-entries" in off.value.message
+    assert background.value.body["param"] == "background"  # type: ignore[index]

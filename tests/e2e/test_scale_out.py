@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from tests.conftest import REPO, ServerProcess, free_port
+from tests.support.metrics import slots_idle
 from tests.support.postgres import PostgresServer
 
 CONFIG = REPO / "tools" / "scale-out" / "haproxy.cfg"
@@ -236,6 +237,29 @@ def test_a_stream_on_one_replica_is_cancelled_through_the_other(cluster: Cluster
     assert sdk(cluster.lb.base_url).responses.retrieve(rid).status == "cancelled"
     # Far less than the 100 000 tokens asked for: the generation stopped on A.
     assert sum(e.type == "response.output_text.delta" for e in events) < 10_000
+
+
+def test_a_background_response_on_one_replica_is_cancelled_through_the_other(
+    cluster: Cluster,
+) -> None:
+    a, b = sdk(cluster.a.base_url), sdk(cluster.b.base_url)
+    r = a.responses.create(
+        model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+    )
+    assert r.status == "queued"
+    deadline = time.monotonic() + 60
+    while not (running := a.responses.retrieve(r.id)).output_text:
+        assert time.monotonic() < deadline and running.status == "in_progress"
+        time.sleep(0.05)
+    assert b.responses.retrieve(r.id).status == "in_progress"  # B sees it as it runs on A
+    cancelled = b.responses.cancel(r.id)
+    assert cancelled.status == "cancelled"
+    # A stopped it (NOTIFY) and stored what it had made: both replicas read the same object.
+    on_a, on_b = a.responses.retrieve(r.id), b.responses.retrieve(r.id)
+    assert on_a.status == on_b.status == "cancelled" and on_b.background is True
+    assert on_b.output_text == on_a.output_text != ""
+    assert on_b.usage is not None and 0 < on_b.usage.output_tokens < 100_000
+    assert slots_idle(cluster.a.base_url)
 
 
 def test_database_down_is_a_503_for_the_store_only(cluster: Cluster) -> None:

@@ -1,4 +1,5 @@
-"""Reading a server's /metrics in tests: one sample's value, or a wait until it holds."""
+"""Reading a server's /metrics in tests: one sample's value, or a wait until it holds; and
+whether its /slots all went idle."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"{name}{labels} = {value} after {timeout} s")
         time.sleep(0.02)
+
+
+def slots_idle(base_url: str, timeout: float = 5.0) -> bool:
+    """Whether every slot stops processing within ``timeout`` (a row ends at its next step,
+    which may come just after the request that stopped it was answered)."""
+    deadline = time.monotonic() + timeout
+    while any(s["is_processing"] for s in httpx.get(f"{base_url}/slots", timeout=10).json()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -289,7 +289,7 @@ async def test_retrieve_delete_and_input_items(smollm_tokenizer: Any, tmp_path: 
 
 async def test_requests_we_cannot_honour_are_400s(smollm_tokenizer: Any, tmp_path: Path) -> None:
     cases: list[tuple[dict[str, Any], int, str | None]] = [
-        ({"input": "Hi", "background": True}, 400, "background"),
+        ({"input": "Hi", "background": True, "store": False}, 400, "background"),
         ({"input": "Hi", "truncation": "sometimes"}, 400, "truncation"),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
         ({"input": "Hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
