@@ -229,7 +229,7 @@ async def serve(
         await root.start(session_store.run)
         streams = StreamSessions()
         await root.start(streams.run)
-        background = StreamSessions()
+        background = StreamSessions(max_retained=64)
         await root.start(background.run)
 
         ctx = ServerContext(
@@ -281,7 +281,13 @@ async def serve(
             await wait_for_stop_signal()
         else:
             await stop.wait()
-        await drain(registry, ctx.long_lived, app, settings.graceful_timeout)
+        grace = settings.graceful_timeout
+        if settings.distributed:
+            from mlxcel.actors.model_runner import distributed
+
+            if distributed.lost:  # no generation can step again: end them now
+                grace = min(grace, distributed.LOST_GRACE_S)
+        await drain(registry, ctx.long_lived, app, grace)
         # Background responses' generations have ended with the drain; each stores its final
         # object before its body ends.
         with trio.move_on_after(CLOSE_MARGIN):

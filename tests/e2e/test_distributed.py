@@ -158,18 +158,28 @@ def test_concurrent_mixed_batch_equals_solo(single: ServerProcess, ranks: Ranks)
     assert completion(ranks.base_url, *PROMPTS[0]) == solo[0]
 
 
-def long_stream(base_url: str, ended: threading.Event) -> threading.Thread:
-    """A client reading a long greedy stream until the server ends it (set ``ended`` then)."""
+class Ending:
+    """How a long stream ended: ``ended`` is set then, and ``final`` holds its last event when
+    that was the server's final one (``stop: true``), i.e. the stream ended properly."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+        self.final: dict[str, Any] | None = None
+
+
+def long_stream(base_url: str, ending: Ending) -> threading.Thread:
+    """A client reading a long greedy stream until the server ends it."""
     body = {"prompt": "Once upon a time", "n_predict": 4000, "temperature": 0, "stream": True}
 
     def read() -> None:
         try:
             with httpx.stream("POST", f"{base_url}/completion", json=body, timeout=60) as r:
-                for _ in r.iter_lines():
-                    pass
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and (event := json.loads(line[6:])).get("stop"):
+                        ending.final = event
         except httpx.HTTPError:
             pass
-        ended.set()
+        ending.ended.set()
 
     return threading.Thread(target=read)
 
@@ -192,8 +202,8 @@ def test_rank_lost_ends_rank_0(tiny_model_dir: Path, tmp_path: Path, streaming: 
     or stalls) or mid-stream (the step's): it drains first, so a client in flight sees
     /health 503, then the process exits non-zero instead of hanging."""
     pair = Ranks(tiny_model_dir, tmp_path)
-    stream_ended = threading.Event()
-    reader = long_stream(pair.base_url, stream_ended)
+    ending = Ending()
+    reader = long_stream(pair.base_url, ending)
     try:
         if streaming:
             reader.start()
@@ -211,7 +221,9 @@ def test_rank_lost_ends_rank_0(tiny_model_dir: Path, tmp_path: Path, streaming: 
         if streaming:
             assert 503 in seen, (seen, pair.log())
             reader.join(timeout=10)
-            assert stream_ended.is_set()
+            assert ending.ended.is_set()
+            # Ended properly: the final event, cut as the drain cuts any generation.
+            assert ending.final is not None and ending.final["stop_type"] == "limit", ending.final
     finally:
         pair.stop()
         if reader.is_alive():
@@ -251,7 +263,8 @@ def test_a_stalled_rank_ends_rank_0_by_the_watchdog(tiny_model_dir: Path, tmp_pa
     import signal
 
     pair = Ranks(tiny_model_dir, tmp_path)
-    reader = long_stream(pair.base_url, threading.Event())
+    ending = Ending()
+    reader = long_stream(pair.base_url, ending)
     try:
         reader.start()
         time.sleep(1.0)
@@ -262,6 +275,8 @@ def test_a_stalled_rank_ends_rank_0_by_the_watchdog(tiny_model_dir: Path, tmp_pa
         assert pair.procs[0].poll() == 3, pair.log()  # the watchdog's exit
         assert DEADLINE_S <= took < DEADLINE_S + 2 + 6, took
         assert 503 in seen, (seen, pair.log())
+        reader.join(timeout=10)
+        assert ending.final is not None and ending.final["stop_type"] == "limit", ending.final
     finally:
         pair.procs[1].send_signal(signal.SIGCONT)
         pair.procs[1].kill()

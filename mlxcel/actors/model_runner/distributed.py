@@ -52,18 +52,23 @@ class RankLost(ModelError):
     """A collective failed: another rank died or its connection broke."""
 
 
-# Set once rank 0 lost a rank: the drain that follows ends the server as a SIGTERM would,
-# and the CLI reads this to exit non-zero all the same.
+# Set once rank 0 lost a rank (before it signals itself to stop): the server then drains in
+# ``LOST_GRACE_S`` instead of the graceful timeout, since no generation can step again, and
+# the CLI reads this to exit non-zero all the same.
 lost: list[RankLost] = []
+# The drain after a lost rank: long enough for every handler to write its ending (generations
+# are interrupted at half of it), shorter than ``Watchdog.DRAIN_S``.
+LOST_GRACE_S = 1.0
 
 
 class Watchdog:
     """Ends the process when one collective or step takes longer than ``deadline_s``: a
     stalled peer would otherwise hold a collective forever, and mlx cannot interrupt one.
 
-    ``drain`` (rank 0): first SIGTERM itself, so the server drains as on any stop (/health
-    answers 503, streams end) for ``DRAIN_S``; then ``os._exit``, the only way out of a thread
-    stuck in mlx. The exit status says why."""
+    ``drain`` (rank 0): first SIGTERM itself, so the server drains as after any lost rank
+    (/health answers 503, each response in flight gets its ending) for ``DRAIN_S``; then
+    ``os._exit``, the only way out of a thread stuck in an mlx collective (mlx has no way to
+    abort one). The exit status says why."""
 
     EXIT_STATUS = 3
     DRAIN_S = 2.0
@@ -95,6 +100,7 @@ class Watchdog:
                     self._deadline,
                 )
                 if self._drain:
+                    lost.append(RankLost(f"distributed: {self._what} stalled (a rank stalled)"))
                     os.kill(os.getpid(), signal.SIGTERM)
                     time.sleep(self.DRAIN_S)
                 logging.shutdown()
