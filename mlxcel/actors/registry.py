@@ -119,6 +119,9 @@ class Registry:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._draining = False
+        # The prompt and vision cache counters of models unloaded so far: /metrics adds them,
+        # so a counter never goes down when a model leaves.
+        self._retired = CacheStats()
 
     # --- running ------------------------------------------------------------------------
 
@@ -365,6 +368,7 @@ class Registry:
                 entry.status = UNLOADED
         finally:
             if entry.hosted is not None:
+                self._retire(entry.hosted.pipeline.statistics().cache)
                 # Its pipeline is gone (unloaded, or one of its actors failed): a request
                 # still holding a slot there ends now, with an error, instead of waiting on.
                 entry.hosted.admission.interrupt_all()
@@ -424,12 +428,20 @@ class Registry:
     def queued(self) -> int:
         return sum(h.admission.queued for h in self.loaded())
 
+    def _retire(self, cache: CacheStats) -> None:
+        self._retired = attrs.evolve(
+            self._retired,
+            **{name: getattr(self._retired, name) + getattr(cache, name) for name in _COUNTERS},
+        )
+
     def statistics(self) -> SchedulerStatistics:
-        """Every loaded model's scheduler, added up (for /metrics)."""
+        """Every loaded model's scheduler, added up (for /metrics), with the cache counters of
+        models unloaded before."""
         stats = [h.pipeline.statistics() for h in self.loaded()]
-        if len(stats) == 1:
+        if len(stats) == 1 and self._retired == CacheStats():
             return stats[0]
         caches = [s.cache for s in stats]
+        retired = self._retired
         return SchedulerStatistics(
             running=sum(s.running for s in stats),
             waiting=sum(s.waiting for s in stats),
@@ -440,12 +452,17 @@ class Registry:
                     f.name: (max if f.name.startswith("mlx_") else sum)(
                         getattr(c, f.name) for c in caches
                     )
+                    + (getattr(retired, f.name) if f.name in _COUNTERS else 0)
                     if caches
-                    else 0
+                    else getattr(retired, f.name)
                     for f in attrs.fields(CacheStats)
                 }
             ),
         )
+
+
+# CacheStats fields that count since start (Prometheus counters): the rest are gauges.
+_COUNTERS = ("hits", "misses", "evictions", "vision_hits", "vision_misses")
 
 
 def _cause(exc: BaseException) -> str:

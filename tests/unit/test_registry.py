@@ -22,9 +22,20 @@ from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.pipeline import LocalPipeline
 from mlxcel.actors.registry import Registry
 from mlxcel.runtime.errors import InternalError, InvalidRequest, NotFound
+from mlxcel.runtime.messages import CacheStats, SchedulerStatistics
 from mlxcel.runtime.slot import AbortBox
 
 LOAD_SECONDS = 5.0
+
+
+class Counting:
+    """A fake scheduler whose statistics say its prompt cache had one hit per use."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(cache=CacheStats(hits=self.hits, entries=1))
 
 
 class Farm:
@@ -33,6 +44,7 @@ class Farm:
     def __init__(self) -> None:
         self.loads: list[str] = []
         self.unloads: list[str] = []
+        self.schedulers: dict[str, Counting] = {}
 
     async def host(self, name: str, source: str, *, task_status: Any) -> None:
         self.loads.append(name)
@@ -49,7 +61,9 @@ class Farm:
             context_length=64,
             chat_template=None,
         )
-        pipeline = LocalPipeline(admission, None, None, None)  # type: ignore[arg-type]  # admission only
+        scheduler = Counting()
+        self.schedulers[name] = scheduler
+        pipeline = LocalPipeline(admission, None, scheduler, None)  # type: ignore[arg-type]  # admission and statistics only
         task_status.started(Hosted(name, info, pipeline, None, 1))
         try:
             await trio.sleep_forever()
@@ -77,6 +91,21 @@ async def use(reg: Registry, name: str, seconds: float = 0.0) -> None:
     with reg.request_scope():
         await reg.get(name)
         await trio.sleep(seconds)
+
+
+async def test_cache_counters_do_not_go_down_when_a_model_unloads(autojump_clock: Any) -> None:
+    farm = Farm()
+    async with running(farm, max_loaded=1) as reg:
+        await use(reg, "a")
+        farm.schedulers["a"].hits = 3
+        assert reg.statistics().cache.hits == 3
+        await use(reg, "b")  # a unloads to make room
+        await trio.testing.wait_all_tasks_blocked()
+        assert farm.unloads == ["a"]
+        farm.schedulers["b"].hits = 2
+        cache = reg.statistics().cache
+        # The counter keeps a's hits; a gauge (entries) counts only what is loaded.
+        assert (cache.hits, cache.entries) == (5, 1)
 
 
 async def test_requests_for_one_model_share_its_load(autojump_clock: Any) -> None:
