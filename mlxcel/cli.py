@@ -360,8 +360,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         dest="audio_input",
         action="store_false",
         default=_env_bool("MLXCEL_AUDIO_INPUT", True),
-        help="refuse input_audio parts on chat instead of transcribing them into the prompt "
-        "with the speech-to-text model (env: MLXCEL_AUDIO_INPUT)",
+        help="refuse input_audio parts on chat and Responses instead of passing them to a "
+        "model with an audio tower or transcribing them into the prompt with the "
+        "speech-to-text model (env: MLXCEL_AUDIO_INPUT)",
     )
     opt(
         "--media-path",

@@ -68,8 +68,8 @@ class TokenizerActor:
                 continue
             try:
                 images = None
-                if sub.request.images:
-                    images = await trio.to_thread.run_sync(self.prepare_images, sub.request)
+                if sub.request.images or sub.request.audio:
+                    images = await trio.to_thread.run_sync(self.prepare_media, sub.request)
                     tokens = list(images.tokens)
                 else:
                     tokens = await trio.to_thread.run_sync(self.encode, sub.request)
@@ -193,17 +193,22 @@ class TokenizerActor:
             case _:
                 assert_never(prompt)
 
-    def prepare_images(self, request: GenerationRequest) -> Any:
-        """The rendered prompt and its images through the vision model's processor: token ids
-        (each image marker expanded into its image's tokens) and pixels."""
-        if self._media is None:  # http/ refuses images before this; a guard, not a path
-            raise InvalidRequest("image input is not supported", param="messages")
+    def prepare_media(self, request: GenerationRequest) -> Any:
+        """The rendered prompt and its images (and audio) through the model's processor:
+        token ids (each image or audio marker expanded into its tokens), pixels and audio
+        features."""
+        if self._media is None:  # http/ refuses media before this; a guard, not a path
+            kind = "image" if request.images else "audio"
+            raise InvalidRequest(f"{kind} input is not supported", param="messages")
         text = self.render(request)
         try:
-            return self._media.prepare(text, list(request.images))
-        except (ValueError, TypeError) as error:
-            # Processors say "mismatch between image markers and images" and the like.
-            raise InvalidRequest(f"The images could not be prepared: {error}") from error
+            return self._media.prepare(text, list(request.images), list(request.audio))
+        except (ValueError, TypeError, StopIteration) as error:
+            # Processors say "mismatch between image markers and images" and the like (and
+            # run out of replacements when markers outnumber the media).
+            what = "images" if request.images else "audio"
+            why = str(error) or type(error).__name__
+            raise InvalidRequest(f"The {what} could not be prepared: {why}") from error
 
     def encode(self, request: GenerationRequest) -> list[int]:
         if isinstance(request.prompt, TokensPrompt):

@@ -101,7 +101,7 @@ async def start_generation(
         )
     gen = slot_wire.resolve(gen, parallel=model.parallel, n_keep=ctx.settings.n_keep)
     gen = await media.resolve(gen, ctx.settings)
-    gen = await heard.transcribe_parts(gen, ctx.stt)
+    gen = await heard.hear(gen, ctx.stt, model.info.media)
     slot = model.pipeline.submit(gen)
     if progress:
         slot.track_progress()
@@ -192,6 +192,7 @@ async def chat_completions() -> Response:
     raw = await read_json()
     model = await ctx.model(raw)
     require_generation(model.generation)
+    hears, native_audio = heard.hearing(ctx.stt, ctx.settings.audio_input, model.info.media)
     body, gen = chat_request(
         raw,
         ctx.settings.sampling,
@@ -199,7 +200,8 @@ async def chat_completions() -> Response:
         reasoning_budget=ctx.settings.reasoning_budget,
         tokenizer=model.info.tokenizer,
         vision=model.info.media is not None,
-        hears=ctx.stt is not None and ctx.settings.audio_input,
+        hears=hears,
+        native_audio=native_audio,
     )
     if body.reasoning_control:
         gen = attrs.evolve(gen, reasoning_control=key_scope(ctx.settings))
@@ -411,12 +413,17 @@ def _model_entry(
             "n_ctx": info.context_length,
             "description": info.description,
         }
-        # Ollama's words: "completion", and "vision" for a model that reads images; router
-        # mode's embedding and reranking models say what they serve.
+        # Ollama's words: "completion", "vision" for a model that reads images and "audio" for
+        # one that hears audio itself; router mode's embedding and reranking models say what
+        # they serve.
         if model.embedder is not None or model.reranker is not None:
             ollama["capabilities"] = ["embedding"] if model.embedder is not None else ["rerank"]
         else:
-            ollama["capabilities"] = ["completion", "vision"] if info.media else ["completion"]
+            ollama["capabilities"] = [
+                "completion",
+                *(["vision"] if info.media else []),
+                *(["audio"] if info.media and info.media.hears else []),
+            ]
         ollama["details"] = {"format": weights_format(info.path)}
         entry["capabilities"] = ollama["capabilities"]
     return entry, ollama

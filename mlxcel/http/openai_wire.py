@@ -218,6 +218,9 @@ class Media:
 
     images: list[ImageRef] | None = None
     audio: list[AudioRef] | None = None
+    # The model hears audio itself: an audio part stays a part ({"type": "audio"}) where the
+    # template puts the model's audio marker, instead of its transcript's placeholder.
+    native_audio: bool = False
 
 
 def _audio_part(part: dict[str, Any], at: str, audio: list[AudioRef]) -> str:
@@ -263,12 +266,15 @@ def _content(
             images.append(ImageRef(at, _image_url(part, at)))
             parts.append({"type": "image"})
         elif kind == "input_audio" and media.audio is not None:
-            parts.append({"type": "text", "text": _audio_part(part, at, media.audio)})
+            placeholder = _audio_part(part, at, media.audio)
+            parts.append(
+                {"type": "audio"} if media.native_audio else {"type": "text", "text": placeholder}
+            )
         elif kind in MEDIA_PARTS:
             raise InvalidRequest(f"{MEDIA_PARTS[kind]} input is not supported", param=at)
         else:
             raise InvalidRequest(f"{at} must be a content part with type 'text'", param=at)
-    if any(p["type"] == "image" for p in parts):
+    if any(p["type"] in ("image", "audio") for p in parts):
         return parts
     return "\n".join(p["text"] for p in parts)
 
@@ -423,12 +429,15 @@ def chat_request(
     tokenizer: Any = None,
     vision: bool = False,
     hears: bool = False,
+    native_audio: bool = False,
 ) -> tuple[ChatCompletionBody, GenerationRequest]:
     """``vision``: the model takes images (else an image part is refused, before any URL is
-    read: the contract's media guard); ``hears``: audio parts are transcribed into the
-    prompt (else refused)."""
+    read: the contract's media guard); ``hears``: audio parts are taken (else refused),
+    heard by the model itself with ``native_audio``, else transcribed into the prompt."""
     body = structure(flatten_extra_body(data), ChatCompletionBody)
-    media = Media(images=[] if vision else None, audio=[] if hears else None)
+    media = Media(
+        images=[] if vision else None, audio=[] if hears else None, native_audio=native_audio
+    )
     _check_openai_extras(body)
     _check_stream_options(body)
     max_tokens = _length(body, ("max_completion_tokens", "max_tokens", "n_predict"))

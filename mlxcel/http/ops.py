@@ -208,9 +208,14 @@ async def props() -> Response:
             "chat_template_caps": template_caps(tok, info.chat_template),
             "bos_token": getattr(tok, "bos_token", None) or "",
             "eos_token": getattr(tok, "eos_token", None) or "",
-            # What the chat model reads (images: a vision model); the audio routes are in
+            # What the chat model reads itself (images: a vision model; audio: one with an
+            # audio tower); audio heard through speech-to-text and the audio routes are in
             # capabilities.
-            "modalities": {"vision": info.media is not None, "video": False, "audio": False},
+            "modalities": {
+                "vision": info.media is not None,
+                "video": False,
+                "audio": info.media is not None and info.media.hears,
+            },
             "build_info": f"mlxcel-{__version__}",
             # mlxcel extension: where the chat model computes ("cpu", "gpu (cuda: NVIDIA H200)").
             "device": info.device,

@@ -260,13 +260,19 @@ class _Turn:
 
 
 def _input(ctx: ServerContext, model: Model, value: Any) -> list[dict[str, Any]]:
-    """The input items, reading images on a vision model and audio when a speech-to-text
-    model hears it (unless --no-audio-input)."""
-    hears = ctx.stt is not None and ctx.settings.audio_input
+    """The input items, reading images on a vision model and audio when the model or a
+    speech-to-text model hears it (unless --no-audio-input)."""
+    hears, _ = heard.hearing(ctx.stt, ctx.settings.audio_input, model.info.media)
     return input_items(value, vision=model.info.media is not None, hears=hears)
 
 
-async def _heard(ctx: ServerContext, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def _heard(
+    ctx: ServerContext, model: Model, items: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The items with their audio checked and kept (a model that hears it) or transcribed."""
+    media = model.info.media
+    if media is not None and media.hears:
+        return await heard.keep_items(items, media.max_audio_seconds)
     return await heard.transcribe_items(items, ctx.stt) if ctx.stt is not None else items
 
 
@@ -280,7 +286,7 @@ async def create() -> Response:
     store = store_of(ctx)
     if body.background and not store.enabled("responses"):
         raise InvalidRequest(STORE_OFF, param="background")
-    items = await _heard(ctx, _input(ctx, model, body.input))
+    items = await _heard(ctx, model, _input(ctx, model, body.input))
     history, conv = await load_history(store, body)
     rid = new_id("resp")
 
@@ -562,7 +568,9 @@ async def input_tokens() -> Response:
     model = await ctx.model(body.model)
     require_generation(model.generation)
     history, _ = await load_history(store_of(ctx), body)
-    items = await _heard(ctx, _input(ctx, model, body.input)) if body.input is not None else []
+    items = (
+        await _heard(ctx, model, _input(ctx, model, body.input)) if body.input is not None else []
+    )
     gen = generation_request(
         body,
         new_id("resp"),

@@ -22,6 +22,7 @@ from mlxcel.runtime import json_input
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, UnsupportedField
 from mlxcel.runtime.messages import (
+    AudioRef,
     ChatPrompt,
     Constraint,
     ForcedToolCall,
@@ -150,7 +151,8 @@ def input_items(
     """The request's input as stored items (each with an id). ``vision``: a user message's
     ``input_image`` parts are kept (their URLs are read when the request is submitted); else
     they are refused here, before anything is fetched. ``hears``: ``input_audio`` parts are
-    kept for the handler to transcribe (else refused)."""
+    kept for the handler (http/heard.py) to transcribe, or to check and keep for a model that
+    hears audio itself (else refused)."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -242,7 +244,8 @@ def _user_parts(content: list[Any], at: str, vision: bool, hears: bool) -> list[
     """A user message's text, images and audio, in order, as stored: ``input_text`` parts
     joined as they come, each ``input_image`` on its own with its URL (a data URI, http(s), a
     path; a vision model), each ``input_audio`` with its data until the handler replaces it
-    by its transcript (``heard.transcribe_items``; a server that hears)."""
+    by its transcript (``heard.transcribe_items``; a server that hears) or, for a model that
+    hears audio itself, by the stored part (``heard.keep_items``: OpenAI's shape)."""
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         where = f"{at}[{j}]"
@@ -280,6 +283,24 @@ def _user_parts(content: list[Any], at: str, vision: bool, hears: bool) -> list[
 def message_text(item: dict[str, Any]) -> str:
     """A stored message's text (its text parts joined)."""
     return "\n".join(p["text"] for p in item["content"] if "text" in p)
+
+
+def chat_audio(items: list[dict[str, Any]]) -> tuple[AudioRef, ...]:
+    """The audio parts of ``items``' user messages in prompt order (stored for a model that
+    hears audio itself), named by item and part; each is rendered as an audio part
+    (``chat_messages``), so none has a placeholder."""
+    return tuple(
+        AudioRef(
+            f"{item['id']}.content[{j}]",
+            part["input_audio"]["data"],
+            part["input_audio"].get("format", "wav"),
+            "",
+        )
+        for item in items
+        if item["type"] == "message"
+        for j, part in enumerate(item["content"])
+        if part["type"] == "input_audio" and isinstance(part.get("input_audio"), dict)
+    )
 
 
 def chat_images(items: list[dict[str, Any]]) -> tuple[ImageRef, ...]:
@@ -320,6 +341,10 @@ def _part_text(part: Any, kind: Any, where: str) -> str:
     raise InvalidRequest(f"{where}.type '{kind}' is not supported", param=where)
 
 
+# Stored media parts, and the chat template's part each one renders as.
+_MEDIA_ITEMS = {"input_image": "image", "input_audio": "audio"}
+
+
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, object]]:
     """Stored items -> chat messages: calls join the assistant turn before them, reasoning
     rides on the assistant turn after it."""
@@ -343,11 +368,11 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, object]]:
         elif kind == "message" and item["role"] == "assistant":
             msg = assistant()
             msg["content"] = str(msg["content"]) + message_text(item)
-        elif kind == "message" and any(p["type"] == "input_image" for p in item["content"]):
-            # The parts a VLM chat template renders, images where they were.
+        elif kind == "message" and any(p["type"] in _MEDIA_ITEMS for p in item["content"]):
+            # The parts a VLM chat template renders, images (and audio) where they were.
             parts = [
-                {"type": "image"}
-                if p["type"] == "input_image"
+                {"type": _MEDIA_ITEMS[p["type"]]}
+                if p["type"] in _MEDIA_ITEMS
                 else {"type": "text", "text": p["text"]}
                 for p in item["content"]
             ]
@@ -529,4 +554,5 @@ def generation_request(
         constraint=forced or text_format,
         thinking_budget=budget,
         images=chat_images(history),
+        audio=chat_audio(history),
     )

@@ -4,11 +4,13 @@ A VLM is served by the same continuous-batching engine as a text model. What dif
 how an image request's prompt is read:
 
 - off the compute thread (the tokenizer actor), mlx-vlm's processor turns the rendered prompt
-  and the decoded images into token ids (each image marker expanded into the image's tokens)
-  and pixel arrays (``prepare``: numpy only, so nothing mlx crosses threads);
-- on the model runner's thread, the vision tower encodes the pixels, the projector merges them
-  into the prompt's embeddings, and the language model reads all of the prompt but its last
-  token into a fresh KV cache (``prefill``: one call, which is the one step the other rows wait);
+  and the decoded images (and audio, on a checkpoint with an audio tower: Gemma 3n / 4) into
+  token ids (each image or audio marker expanded into its tokens) and pixel / log-mel feature
+  arrays (``prepare``: numpy only, so nothing mlx crosses threads);
+- on the model runner's thread, the vision (and audio) tower encodes the pixels (and audio
+  features), the projector merges them into the prompt's embeddings, and the language model
+  reads all of the prompt but its last token into a fresh KV cache (``prefill``: one call,
+  which is the one step the other rows wait);
 - the row then joins the batch like a prompt-cache hit: the batch reads its last token and it
   decodes through the language model alone (``LanguageModel``), as a text row does.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,45 +61,87 @@ def is_vlm(path: Path) -> bool:
 
 
 @attrs.frozen(kw_only=True)
-class PreparedImages:
-    """What the processor made of a prompt and its images (numpy; read on another thread)."""
+class PreparedMedia:
+    """What the processor made of a prompt and its images and audio (numpy; read on another
+    thread)."""
 
     tokens: tuple[int, ...]
-    pixel_values: np.ndarray
-    # The family's extras (image_grid_thw, pixel_attention_mask, ...), as numpy arrays.
+    # None: the prompt has audio but no image.
+    pixel_values: np.ndarray | None
+    # The family's extras (image_grid_thw, pixel_attention_mask, input_features, ...), as
+    # numpy arrays; those with one value per token are cut to all but the last token (what
+    # the prefill reads).
     extras: tuple[tuple[str, np.ndarray], ...] = ()
-    # Where the last image token is in ``tokens`` (-1: none).
-    last_image_token: int = -1
-    # A digest of the pixels (and the family's grids): the images' identity, for caching.
+    # Where the last image or audio token is in ``tokens`` (-1: none).
+    last_media_token: int = -1
+    # A digest of the pixels and audio features (and the family's grids): the media's
+    # identity, for caching.
     digest: str = ""
 
 
 class MediaProcessor:
     """The checkpoint's processor, for the tokenizer actor's thread: thread-safe (it only
-    reads its configuration), holds no mlx state."""
+    reads its configuration), holds no mlx state.
 
-    def __init__(self, processor: Any, image_token_id: int) -> None:
+    ``audio_token_id`` is set when the checkpoint hears audio itself (an audio tower and a
+    feature extractor: Gemma 3n / 4); a text-only or image-only checkpoint hears audio
+    through speech-to-text (http/heard.py)."""
+
+    def __init__(
+        self, processor: Any, image_token_id: int, audio_token_id: int | None = None
+    ) -> None:
         self._processor = processor
         self.image_token_id = image_token_id
+        self.audio_token_id = audio_token_id
         self.image_marker = _image_marker(processor)
+        # The processor's own audio marker: what the template writes for an audio part.
+        self.audio_marker = str(getattr(processor, "audio_token", "")) if audio_token_id else ""
+        # The waveforms' sampling rate the feature extractor expects.
+        extractor = getattr(processor, "feature_extractor", None)
+        self.sampling_rate = int(getattr(extractor, "sampling_rate", 16000))
+        # The longest audio part the model's audio tokens cover (Gemma 4: 750 tokens of 40 ms);
+        # longer audio would be cut by the processor without a word, so it is refused.
+        tokens = getattr(processor, "audio_seq_length", None)
+        ms = getattr(processor, "audio_ms_per_token", None)
+        self.max_audio_seconds = float(tokens * ms / 1000) if tokens and ms else 30.0
 
-    def prepare(self, prompt: str, images: list[Any]) -> PreparedImages:
-        out = self._processor(text=[prompt], images=images, return_tensors="np")
+    @property
+    def hears(self) -> bool:
+        return self.audio_token_id is not None
+
+    def prepare(self, prompt: str, images: list[Any], audio: Sequence[Any] = ()) -> PreparedMedia:
+        """``audio``: waveforms at ``sampling_rate`` (float32 numpy), one per marker."""
+        out = self._processor(
+            text=[prompt],
+            images=list(images) or None,
+            return_tensors="np",
+            **({"audio": list(audio)} if audio else {}),
+        )
         arrays = {k: np.asarray(v) for k, v in out.items()}
         ids = arrays.pop("input_ids")[0].astype(np.int64)
         arrays.pop("attention_mask", None)
-        pixels = arrays.pop("pixel_values")
-        extras = tuple(sorted(arrays.items()))
+        pixels = arrays.pop("pixel_values", None)
+        if pixels is not None and not images:
+            pixels = None  # a processor's empty placeholder
+        extras = tuple(
+            (name, array[:, :-1] if array.shape[:2] == (1, ids.size) else array)
+            for name, array in sorted(arrays.items())
+        )
         digest = hashlib.sha256()
-        for name, array in (("pixel_values", pixels), *extras):
+        for name, array in (("pixel_values", pixels), *arrays.items()):
+            if array is None:
+                continue
             digest.update(f"{name}{array.dtype}{array.shape}".encode())
             digest.update(np.ascontiguousarray(array).tobytes())
-        where = np.flatnonzero(ids == self.image_token_id)
-        return PreparedImages(
+        media_ids = [self.image_token_id]
+        if self.audio_token_id is not None:
+            media_ids.append(self.audio_token_id)
+        where = np.flatnonzero(np.isin(ids, media_ids))
+        return PreparedMedia(
             tokens=tuple(int(t) for t in ids),
             pixel_values=pixels,
             extras=extras,
-            last_image_token=int(where[-1]) if where.size else -1,
+            last_media_token=int(where[-1]) if where.size else -1,
             digest=digest.hexdigest(),
         )
 
@@ -172,16 +217,17 @@ class Vision:
         Idefics3 / SmolVLM, LLaVA, Gemma 3) batch."""
         return self.mrope or not hasattr(self.model.language_model, "_rope_deltas")
 
-    def prefill(self, prepared: PreparedImages) -> list[Any]:
+    def prefill(self, prepared: PreparedMedia) -> list[Any]:
         """All of the prompt but its last token read into a fresh KV cache (one per layer),
-        the images encoded and merged on the way. Model runner's thread."""
+        the images (and audio) encoded and merged on the way. Model runner's thread."""
         from mlx_lm.models.cache import make_prompt_cache
 
         lm = self.model.language_model
         cache = make_prompt_cache(LanguageModel(lm, self.mrope))  # type: ignore[arg-type]  # duck-typed model
         ids = mx.array([list(prepared.tokens[:-1])])
         extras = {k: mx.array(v) for k, v in prepared.extras}
-        self.model(ids, mx.array(prepared.pixel_values), cache=cache, **extras)
+        pixels = prepared.pixel_values
+        self.model(ids, mx.array(pixels) if pixels is not None else None, cache=cache, **extras)
         mx.eval([c.state for c in cache])
         if self.mrope:
             deltas = getattr(lm, "_rope_deltas", None)
@@ -206,5 +252,17 @@ def load_vlm(path: Path) -> tuple[Vision, Any, dict[str, Any]]:
         token_id = getattr(model.config, "image_token_index", None)
     if token_id is None:
         raise ValueError(f"{path}: the config names no image token")
-    media = MediaProcessor(processor, int(token_id))
+    media = MediaProcessor(processor, int(token_id), _audio_token(model, processor))
     return Vision(model=model, media=media, family=family), processor.tokenizer, config
+
+
+def _audio_token(model: Any, processor: Any) -> int | None:
+    """The audio token of a checkpoint that hears audio itself: an audio tower, a feature
+    extractor to make its input, and a marker for the template (None: it does not)."""
+    token_id = getattr(model.config, "audio_token_id", None)
+    heard = (
+        getattr(model, "audio_tower", None) is not None
+        and getattr(processor, "feature_extractor", None) is not None
+        and bool(getattr(processor, "audio_token", ""))
+    )
+    return int(token_id) if heard and token_id is not None else None

@@ -199,8 +199,11 @@ class GenerationRequest:
     # The prompt's images in the order their parts appear (vision models): ``ImageRef``s as
     # the wire names them, decoded images (PIL) once http/ has read them within its limits.
     images: tuple[Any, ...] = ()
-    # Audio parts to transcribe into the prompt (``AudioRef``), before submission.
-    audio: tuple[AudioRef, ...] = ()
+    # The prompt's audio parts in order: ``AudioRef``s as the wire names them; a model that
+    # hears audio itself (models.vlm.MediaProcessor.hears) gets them decoded (16 kHz float32
+    # numpy waveforms) by http/, else http/ replaces them by their transcripts before
+    # submission (no audio left).
+    audio: tuple[Any, ...] = ()
     # LoRA adapter scales, one per loaded adapter (--lora): the request's `lora` field;
     # None: the global scales (/lora-adapters) as they are when admission takes it.
     lora: tuple[float, ...] | None = None
@@ -235,7 +238,8 @@ class Tokenized:
     grammar: str | None = None
     # Context shift cut the prompt to fit the context (llama-server's `truncated`).
     truncated: bool = False
-    # The processor's pixels for the prompt's images (models.vlm.PreparedImages); None: text.
+    # The processor's pixels and audio features for the prompt's images and audio
+    # (models.vlm.PreparedMedia); None: text.
     images: Any = None
 
 
@@ -270,7 +274,8 @@ class InsertSequence:
     n_discard: int = 0
     # X-Priority lane (0 high: a live voice turn); 0 is read past the prefill budget.
     priority: int = 1
-    # The processor's pixels for the prompt's images (models.vlm.PreparedImages); None: text.
+    # The processor's pixels and audio features for the prompt's images and audio
+    # (models.vlm.PreparedMedia); None: text.
     images: Any = None
     # LoRA adapter scales, one per loaded adapter, fixed at admission (all 0 or empty: none).
     lora: tuple[float, ...] = ()

@@ -18,6 +18,9 @@ Families:
                image splitting; image tokens = image_seq_len per crop.
     llava      LLaVA-1.5: CLIP ViT on a fixed square crop, MLP projector; image
                tokens = patches per crop, whatever the image's size.
+    gemma4     Gemma 4 (the E2B/E4B shape): ViT with pooled patches for images and a
+               Conformer audio tower (USM log-mel features, one token per 40 ms) for
+               audio; image tokens = pooled patches, audio tokens = ceil(ms / 40).
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ from typing import Any
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import resolve_model
 
+# The image families the unit tests drive through mlx-vlm's decode recipe (test_tiny_vlm).
 FAMILIES = ("qwen2_vl", "idefics3", "llava")
+# Families that also hear audio (their language model takes per-layer inputs that recipe
+# does not build): served and tested end to end (test_heard_audio).
+AUDIO_FAMILIES = ("gemma4",)
 
 # Qwen2-VL's own markers: an image is <|vision_start|><|image_pad|><|vision_end|>, and the
 # processor repeats <|image_pad|> once per merged patch.
@@ -96,6 +103,33 @@ _LLAVA_TEMPLATE = (
     "{{ ' ' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+# Gemma 4's markers (its tokenizer names them image_token, boi_token, ... so the processor
+# finds them): the template writes one <|image|> / <|audio|> per part and the processor
+# expands it to <|image>{n x <|image|>}<image|> (and the audio alike).
+_GEMMA4_MARKERS = {
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+    "video_token": "<|video|>",
+}
+_GEMMA4_TOKENS = tuple(_GEMMA4_MARKERS.values())
+_GEMMA4_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% elif part['type'] == 'audio' %}{{ '<|audio|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 _TEXT: dict[str, Any] = {
@@ -276,17 +310,101 @@ def _llava_files(tokenizer: Any) -> _Files:
     return config, {"preprocessor_config.json": image, "processor_config.json": processor}
 
 
+def _gemma4_files(tokenizer: Any) -> _Files:
+    vocab = _vocab_size(tokenizer)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _GEMMA4_MARKERS.items()}
+    patch, pool, soft = 8, 2, 16  # up to 16 pooled tokens: images of at most 64x64 px
+    config = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "vocab_size": vocab,
+        "image_token_id": ids["image_token"],
+        "boi_token_id": ids["boi_token"],
+        "eoi_token_id": ids["eoi_token"],
+        "audio_token_id": ids["audio_token"],
+        "boa_token_id": ids["boa_token"],
+        "eoa_token_id": ids["eoa_token"],
+        "video_token_id": ids["video_token"],
+        "vision_soft_tokens_per_image": soft,
+        "audio_ms_per_token": 40,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "gemma4_text",
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "global_head_dim": 16,
+            # As E2B / E4B: the last layers read the KV of earlier ones (fewer caches than
+            # layers), and every layer takes a per-layer input embedding.
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size": vocab,
+            "vocab_size_per_layer_input": vocab,
+            "sliding_window": 512,
+            # Local and global layers alternate, as in the real ones.
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "use_double_wide_mlp": False,
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "global_head_dim": 16,
+            "patch_size": patch,
+            "pooling_kernel_size": pool,
+            "default_output_length": soft,
+            "position_embedding_size": 64,
+        },
+        "audio_config": {
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "subsampling_conv_channels": [8, 4],
+            "output_proj_dims": 32,
+        },
+        "torch_dtype": "float32",
+    }
+    processor = {
+        "processor_class": "Gemma4Processor",
+        "audio_seq_length": 750,
+        "audio_ms_per_token": 40,
+        "image_processor": {
+            "image_processor_type": "Gemma4ImageProcessor",
+            "patch_size": patch,
+            "max_soft_tokens": soft,
+            "pooling_kernel_size": pool,
+        },
+        "feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor"},
+    }
+    return config, {"processor_config.json": processor}
+
+
 @dataclass(frozen=True)
 class _Family:
     tokens: tuple[str, ...]  # special tokens added to SmolLM2's tokenizer
     chat_template: str
     files: Callable[[Any], _Files]  # (tokenizer) -> (config, {file name: JSON content})
+    # Special tokens the tokenizer names (tokenizer.image_token, ...), for processors that
+    # look them up by name.
+    named: dict[str, str] | None = None
 
 
 _FAMILY_SPECS: dict[str, _Family] = {
     "qwen2_vl": _Family(_QWEN_TOKENS, _QWEN_TEMPLATE, _qwen2_vl_files),
     "idefics3": _Family(_IDEFICS_TOKENS, _IDEFICS_TEMPLATE, _idefics3_files),
     "llava": _Family(_LLAVA_TOKENS, _LLAVA_TEMPLATE, _llava_files),
+    "gemma4": _Family(_GEMMA4_TOKENS, _GEMMA4_TEMPLATE, _gemma4_files, _GEMMA4_MARKERS),
 }
 
 
@@ -300,7 +418,8 @@ def _build_model(config: dict[str, Any]) -> Any:
     config.setdefault("text_config", {})
     config.setdefault("vision_config", {})
     model_config = module.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, module, config, ["text", "vision"])
+    parts = ["text", "vision", *(["audio"] if "audio_config" in config else [])]
+    model_config = update_module_configs(model_config, module, config, parts)
     return module.Model(model_config)
 
 
@@ -331,19 +450,22 @@ def build_tiny_vlm(
 ) -> Path:
     """Write a tiny ``family`` VLM checkpoint folder into ``dest`` (created); return it.
 
-    ``family`` is one of FAMILIES. The folder loads with ``mlx_vlm.load(str(dest))``.
-    The tokenizer files come from the cached conversion of the packaged SmolLM2 GGUF
-    (``cache_dir`` defaults to ``$MLXCEL_CACHE_DIR``).
+    ``family`` is one of FAMILIES or AUDIO_FAMILIES. The folder loads with
+    ``mlx_vlm.load(str(dest))``. The tokenizer files come from the cached conversion of the
+    packaged SmolLM2 GGUF (``cache_dir`` defaults to ``$MLXCEL_CACHE_DIR``).
     """
     from transformers import AutoTokenizer
 
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown tiny VLM family {family!r}; known: {', '.join(FAMILIES)}")
+        known = ", ".join((*FAMILIES, *AUDIO_FAMILIES))
+        raise ValueError(f"unknown tiny VLM family {family!r}; known: {known}")
     spec = _FAMILY_SPECS[family]
     dest.mkdir(parents=True, exist_ok=True)
 
     source = resolve_model(None, cache_dir).path
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(source), **({"extra_special_tokens": spec.named} if spec.named else {})
+    )
     # Special, so the tokenizer never splits them and decoding can skip them.
     tokenizer.add_tokens(list(spec.tokens), special_tokens=True)
     tokenizer.chat_template = spec.chat_template

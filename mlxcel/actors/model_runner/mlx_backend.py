@@ -485,7 +485,7 @@ class MlxBackend:
             key = f"{s.cache_key}\x00vision:{images.digest}"
             self._cache_key[s.request_id] = key
             cache, n = self._cache.lookup(key, prompt)
-            if cache is not None and n > images.last_image_token:
+            if cache is not None and n > images.last_media_token:
                 self._shifts[s.request_id] = int(getattr(cache[0], vlm.POSITION_SHIFT, 0))
                 cached.append((s.request_id, n))
                 return [_Row(s, c, prompt[n:], cache, prompt[:n]) for c in range(s.n)]
