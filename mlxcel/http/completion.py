@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 from quart import Blueprint, Response
 
-from mlxcel.http import logprobs, sse, structured_wire
+from mlxcel.http import heard, logprobs, sse, structured_wire
 from mlxcel.http.context import Model, ServerContext, read_json, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import start_generation, timings
@@ -27,6 +27,7 @@ from mlxcel.http.slot_wire import SlotFields, slot_options
 from mlxcel.runtime.codec import structure
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
+    AudioRef,
     GenerationRequest,
     ImageRef,
     Prompt,
@@ -123,28 +124,30 @@ def _input_extra(value: Any) -> list[tuple[str, str]]:
 MAX_PROMPTS = 64
 
 
-# A prompt and the images its media markers stand for.
-Prompted = tuple[Prompt, tuple[ImageRef, ...]]
+# A prompt and the images (and audio) its media markers stand for.
+Prompted = tuple[Prompt, tuple[ImageRef | AudioRef, ...]]
 # llama.cpp's default media marker (mtmd): one per image in a prompt string.
 MEDIA_MARKER = "<__media__>"
 
 
-def _prompts(value: Any, tok: Any, media: Any = None) -> list[Prompted]:
+def _prompts(value: Any, tok: Any, media: Any = None, hears: bool = False) -> list[Prompted]:
     """llama-server's prompt forms: one prompt (a string, token ids, or ids mixed with
     strings, or ``{prompt_string, multimodal_data}``), or a list of such prompts, one result
-    each. ``media``: a vision model's processor (None: images are refused)."""
+    each. ``media``: a vision model's processor (None: images are refused); ``hears``: it
+    takes audio (a model that hears audio itself, without --no-audio-input)."""
     if isinstance(value, list) and value and not all(is_int(v) for v in value):
         if not is_mixed(value):
             if len(value) > MAX_PROMPTS:
                 raise InvalidRequest(f"prompt takes at most {MAX_PROMPTS} prompts", param="prompt")
-            return [_one_prompt(v, tok, f"prompt[{i}]", media) for i, v in enumerate(value)]
-    return [_one_prompt(value, tok, "prompt", media)]
+            return [_one_prompt(v, tok, f"prompt[{i}]", media, hears) for i, v in enumerate(value)]
+    return [_one_prompt(value, tok, "prompt", media, hears)]
 
 
-def _multimodal(value: dict[str, Any], where: str, media: Any) -> Prompted:
-    """``{prompt_string, multimodal_data}``: each ``<__media__>`` in the string is one image
-    of ``multimodal_data`` (base64), in order, as in llama-server; the marker becomes what the
-    model's chat template writes for an image."""
+def _multimodal(value: dict[str, Any], where: str, media: Any, hears: bool) -> Prompted:
+    """``{prompt_string, multimodal_data}``: each ``<__media__>`` in the string is one entry
+    of ``multimodal_data`` (base64), in order, as in llama-server: audio (told by its file's
+    first bytes: wav, mp3, flac, ogg) on a model that hears audio itself, else an image; the
+    marker becomes what the model's chat template writes for one."""
     text, data = value.get("prompt_string"), value.get("multimodal_data")
     if not isinstance(text, str):
         raise InvalidRequest(f"{where}.prompt_string must be a string", param="prompt")
@@ -162,17 +165,30 @@ def _multimodal(value: dict[str, Any], where: str, media: Any) -> Prompted:
             f"{MEDIA_MARKER} markers in prompt_string: each image needs its marker",
             param="prompt",
         )
-    images = tuple(
-        ImageRef(f"{where}.multimodal_data[{i}]", f"data:application/octet-stream;base64,{d}")
-        for i, d in enumerate(data)
-    )
-    return TextPrompt(text=text.replace(MEDIA_MARKER, media.image_marker)), images
+    refs: list[ImageRef | AudioRef] = []
+    markers = []
+    for i, d in enumerate(data):
+        at = f"{where}.multimodal_data[{i}]"
+        kind = heard.sniff_audio(d)
+        if kind is not None and not hears:
+            raise InvalidRequest(f"{at}: audio input is not supported", param="prompt")
+        if kind is not None:
+            refs.append(AudioRef(at, d, kind, ""))
+            markers.append(media.audio_marker)
+        else:
+            refs.append(ImageRef(at, f"data:application/octet-stream;base64,{d}"))
+            markers.append(media.image_marker)
+    pieces = text.split(MEDIA_MARKER)
+    joined = pieces[0] + "".join(m + p for m, p in zip(markers, pieces[1:], strict=True))
+    return TextPrompt(text=joined), tuple(refs)
 
 
-def _one_prompt(value: Any, tok: Any, where: str, media: Any = None) -> Prompted:
+def _one_prompt(
+    value: Any, tok: Any, where: str, media: Any = None, hears: bool = False
+) -> Prompted:
     if isinstance(value, dict):
         if value.get("multimodal_data"):
-            return _multimodal(value, where, media)
+            return _multimodal(value, where, media, hears)
         value = value.get("prompt_string")
         if not isinstance(value, str):
             raise InvalidRequest(f"{where}.prompt_string must be a string", param="prompt")
@@ -353,11 +369,15 @@ async def _run(model: Model, body: NativeCompletionBody, prompts: list[Prompted]
         _Call(
             model,
             body,
-            attrs.evolve(_request(model, body, p, asked), images=images),
+            attrs.evolve(
+                _request(model, body, p, asked),
+                images=tuple(r for r in media if isinstance(r, ImageRef)),
+                audio=tuple(r for r in media if isinstance(r, AudioRef)),
+            ),
             _prompt_text(model, p),
             reported,
         )
-        for p, images in prompts
+        for p, media in prompts
     ]
     # Each prompt is its own generation, all submitted before any is read (a slot keeps its
     # output until read); results come in prompt order, each with its index.
@@ -487,9 +507,11 @@ def _stream(ctx: ServerContext, runs: list[tuple[_Call, OutputSlot]]) -> Respons
 async def completion() -> Response:
     raw = await read_json()
     body = structure(raw, NativeCompletionBody)
-    model = await server().model(raw)
+    ctx = server()
+    model = await ctx.model(raw)
     info = model.info
-    return await _run(model, body, _prompts(body.prompt, info.tokenizer, info.media))
+    _, hears = heard.hearing(ctx.stt, ctx.settings.audio_input, info.media)
+    return await _run(model, body, _prompts(body.prompt, info.tokenizer, info.media, hears))
 
 
 @bp.post("/infill")

@@ -31,6 +31,24 @@ from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import ChatPrompt, GenerationRequest
 
 
+def sniff_audio(data: str) -> str | None:
+    """The audio container base64 ``data`` starts with (wav, mp3, flac, ogg), or None: how
+    llama-server's ``multimodal_data`` tells audio from images, which carry no type."""
+    try:
+        head = base64.b64decode(data[:16], validate=True)
+    except (binascii.Error, ValueError):
+        return None  # not base64: the image reader names the part
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:3] == b"ID3" or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0):
+        return "mp3"
+    if head[:4] == b"fLaC":
+        return "flac"
+    if head[:4] == b"OggS":
+        return "ogg"
+    return None
+
+
 async def _samples(data: str, where: str, max_seconds: float = MAX_AUDIO_SECONDS) -> Any:
     """The part's audio as 16 kHz mono float32 samples (a 400 naming the part if it is not
     base64, not audio, or longer than ``max_seconds``)."""

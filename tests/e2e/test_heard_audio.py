@@ -10,6 +10,7 @@ checkpoint was run here."""
 from __future__ import annotations
 
 import base64
+import io
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,3 +193,36 @@ def test_a_text_stream_keeps_streaming_beside_audio_requests(gemma: Gemma) -> No
     beside.join(timeout=60)
     assert usage is not None and usage.completion_tokens == 60
     assert len(answers) == 3 and all(answers)
+
+
+def test_native_completion_takes_audio_in_multimodal_data(gemma: Gemma) -> None:
+    """llama-server's ``multimodal_data`` carries no type: a WAV file is audio (on a model
+    that hears it), anything else an image; each fills its ``<__media__>`` marker in order."""
+    from PIL import Image
+
+    def complete(prompt: str, *media: bytes) -> Any:
+        encoded = [base64.b64encode(m).decode() for m in media]
+        body = {
+            "prompt": {"prompt_string": prompt, "multimodal_data": encoded},
+            "n_predict": 6,
+            "temperature": 0,
+        }
+        r = httpx.post(f"{gemma.server.base_url}/completion", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    said = wav(12)
+    chat = gemma.ask(audio_part(said), QUESTION)
+    # The chat template's rendering of the same turn, the audio where its marker is.
+    turn = "<|im_start|>user\n<__media__>What was said?<|im_end|>\n<|im_start|>assistant\n"
+    native = complete(turn, said)
+    assert native["content"] == chat.choices[0].message.content
+    assert native["tokens_evaluated"] == chat.usage.prompt_tokens
+
+    image = Image.fromarray(np.random.default_rng(13).integers(0, 256, (64, 64, 3), np.uint8))
+    png = io.BytesIO()
+    image.save(png, "PNG")
+    both = complete("<__media__><__media__>What?", png.getvalue(), said)
+    image_only = complete("<__media__>What?", png.getvalue())
+    added = both["tokens_evaluated"] - image_only["tokens_evaluated"]
+    assert added == 1000 // MS_PER_TOKEN + 2

@@ -24,6 +24,7 @@ from PIL import Image
 
 from tests.conftest import ServerProcess
 from tests.support.metrics import sample
+from tests.support.noise_wav import noise_wav
 from tests.support.tiny_vlm import build_tiny_vlm
 
 QUESTION = "Describe the image."
@@ -342,6 +343,13 @@ def test_native_completion_multimodal_data(vlm: Vlm) -> None:
     bad = httpx.post(url, json={"prompt": two, "n_predict": 1}, timeout=60)
     assert bad.status_code == 400
     assert "markers" in bad.json()["error"]["message"]
+    # A WAV file where the image was: this model has no audio tower.
+    heard = {**prompt, "multimodal_data": [base64.b64encode(noise_wav(1)).decode()]}
+    bad = httpx.post(url, json={"prompt": heard, "n_predict": 1}, timeout=60)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == (
+        "prompt.multimodal_data[0]: audio input is not supported"
+    )
 
 
 @pytest.fixture(scope="module")
