@@ -193,6 +193,9 @@ def test_typed_question_streams_an_answer_kept_in_the_browser(
 ) -> None:
     open_page(page, server.base_url)
     assert page.input_value("#model") == "SmolLM2-135M-Instruct"
+    # The speech models /v1/models lists beside it are not offered for chat.
+    options = page.eval_on_selector_all("#model option", "options => options.map(o => o.value)")
+    assert options == ["SmolLM2-135M-Instruct"]
     # Greedy: the same answer (and screenshot) every run.
     settings(page, max_tokens=48, temperature=0)
     ask(page, "Write a Python function that adds two numbers.")

@@ -35,8 +35,11 @@ async function discover() {
     const models = await getJSON("/v1/models");
     const picker = $("model");
     const chosen = picker.value;
-    picker.replaceChildren(...models.data.map((m) => new Option(m.id, m.id)));
-    if (chosen && models.data.some((m) => m.id === chosen)) picker.value = chosen;
+    // Only models that chat: not the speech, embedding or reranking models listed beside
+    // them (a router's unloaded models say nothing yet, and may chat).
+    const chat = models.data.filter((m) => !m.capabilities || m.capabilities.includes("completion"));
+    picker.replaceChildren(...chat.map((m) => new Option(m.id, m.id)));
+    if (chosen && chat.some((m) => m.id === chosen)) picker.value = chosen;
     $("attach").hidden = !props.modalities?.vision;
     const voice = props.capabilities?.speech_to_text && props.capabilities?.text_to_speech;
     $("talk-button").hidden = !voice;
