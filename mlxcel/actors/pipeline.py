@@ -14,7 +14,9 @@ from mlxcel.actors.admission import Admission
 from mlxcel.actors.scheduler import Scheduler
 from mlxcel.actors.tokenizer import TokenizerActor
 from mlxcel.runtime.messages import (
+    AudioRef,
     GenerationRequest,
+    ImageRef,
     SchedulerControl,
     SchedulerInbox,
     SchedulerStatistics,
@@ -45,6 +47,13 @@ class LocalPipeline:
         return self.admission.submit(request)
 
     def count_tokens(self, request: GenerationRequest) -> int:
+        """The prompt's length in tokens. Images and audio count as the processor expands
+        them once http/ has read them; references not read yet count as their markers."""
+        read = any(not isinstance(i, ImageRef) for i in request.images) or any(
+            not isinstance(a, AudioRef) for a in request.audio
+        )
+        if read:
+            return len(self.tokenizer.prepare_media(request).tokens)
         return len(self.tokenizer.encode(request))
 
     def render(self, request: GenerationRequest) -> str:

@@ -14,7 +14,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import trio
 from quart import Blueprint, Response
 
 from mlxcel.http import sse
@@ -23,7 +22,7 @@ from mlxcel.http.anthropic_wire import MessagesRequest, messages_request
 from mlxcel.http.chat_render import Collected
 from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
 from mlxcel.http.errors import envelope
-from mlxcel.http.openai import start_generation
+from mlxcel.http.openai import count_prompt, start_generation
 from mlxcel.runtime.errors import InternalError, MlxcelError, require_generation
 from mlxcel.runtime.slot import OutputSlot
 
@@ -88,7 +87,7 @@ async def count_tokens() -> Response:
     """The prompt's token count, rendered and encoded exactly as generation would."""
     ctx = server()
     req, model = await _parse(ctx)
-    n = await trio.to_thread.run_sync(model.pipeline.count_tokens, req.generation)
+    n = await count_prompt(ctx, model, req.generation)
     return Response(json.dumps({"input_tokens": n}), content_type="application/json")
 
 

@@ -285,11 +285,27 @@ async def chat_completions() -> Response:
 
 async def render_chat(model: Model, body: dict[str, Any]) -> tuple[str, int]:
     """A chat request's prompt as the model will read it, and its length in tokens."""
-    _, gen = chat_request(body, server().settings.sampling)
-    pipeline = model.pipeline
-    text = await trio.to_thread.run_sync(pipeline.render, gen)
-    n = await trio.to_thread.run_sync(pipeline.count_tokens, gen)
-    return text, n
+    ctx = server()
+    hears, native_audio = heard.hearing(ctx.stt, ctx.settings.audio_input, model.info.media)
+    _, gen = chat_request(
+        body,
+        ctx.settings.sampling,
+        vision=model.info.media is not None,
+        hears=hears,
+        native_audio=native_audio,
+    )
+    text = await trio.to_thread.run_sync(model.pipeline.render, gen)
+    return text, await count_prompt(ctx, model, gen)
+
+
+async def count_prompt(ctx: ServerContext, model: Model, gen: GenerationRequest) -> int:
+    """The prompt's length in tokens as generation counts it: its images and audio read
+    (within the limits, as when it is submitted) and expanded by the model's processor, or
+    audio transcribed for a model that does not hear it."""
+    if gen.images or gen.audio:
+        gen = await media.resolve(gen, ctx.settings)
+        gen = await heard.hear(gen, ctx.stt, model.info.media)
+    return await trio.to_thread.run_sync(model.pipeline.count_tokens, gen)
 
 
 @bp.post("/v1/chat/completions/input_tokens")

@@ -31,7 +31,7 @@ from mlxcel.actors.session_store import Running, SessionStore
 from mlxcel.actors.stream_sessions import CLOSE_GRACE_S, StreamSession
 from mlxcel.http import heard, sse
 from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
-from mlxcel.http.openai import start_generation
+from mlxcel.http.openai import count_prompt, start_generation
 from mlxcel.http.responses_output import OutputBuilder, response_object, usage
 from mlxcel.http.responses_wire import (
     ResponsesBody,
@@ -578,5 +578,5 @@ async def input_tokens() -> Response:
         ctx.settings.sampling,
         tokenizer=model.info.tokenizer,
     )
-    n = await trio.to_thread.run_sync(model.pipeline.count_tokens, gen)
+    n = await count_prompt(ctx, model, gen)
     return _json({"object": "response.input_tokens", "input_tokens": n})

@@ -226,3 +226,37 @@ def test_native_completion_takes_audio_in_multimodal_data(gemma: Gemma) -> None:
     image_only = complete("<__media__>What?", png.getvalue())
     added = both["tokens_evaluated"] - image_only["tokens_evaluated"]
     assert added == 1000 // MS_PER_TOKEN + 2
+
+
+def test_token_counts_include_the_media_tokens(gemma: Gemma) -> None:
+    """The counting routes read images and audio as generation does: their counts are the
+    prompt_tokens the same request is then billed."""
+    from PIL import Image
+
+    base = gemma.server.base_url
+    image = Image.fromarray(np.random.default_rng(14).integers(0, 256, (64, 64, 3), np.uint8))
+    parts = [image_part(image), audio_part(wav(15)), QUESTION]
+    billed = gemma.ask(*parts, max_tokens=1).usage.prompt_tokens
+    body = {"messages": [{"role": "user", "content": parts}]}
+    chat = httpx.post(f"{base}/v1/chat/completions/input_tokens", json=body, timeout=60)
+    assert chat.json() == {"input_tokens": billed}
+
+    said = base64.b64encode(wav(15)).decode()
+    url = image_part(image)["image_url"]["url"]
+    content = [
+        {"type": "input_image", "image_url": url},
+        {"type": "input_audio", "input_audio": {"data": said, "format": "wav"}},
+        {"type": "input_text", "text": QUESTION["text"]},
+    ]
+    item = {"type": "message", "role": "user", "content": content}
+    counted = gemma.client.responses.input_tokens.count(model="any", input=[item])
+    answered = gemma.client.responses.create(model="any", input=[item], max_output_tokens=1)
+    assert counted.input_tokens == answered.usage.input_tokens
+
+    data = url.split(",", 1)[1]
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    message = {"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}
+    anthropic = {"model": "any", "max_tokens": 1, "messages": [message]}
+    count = httpx.post(f"{base}/v1/messages/count_tokens", json=anthropic, timeout=60).json()
+    reply = httpx.post(f"{base}/v1/messages", json=anthropic, timeout=60).json()
+    assert count["input_tokens"] == reply["usage"]["input_tokens"]
