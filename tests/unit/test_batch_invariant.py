@@ -66,15 +66,18 @@ def test_a_seeded_row_computes_as_it_would_alone(loaded: Any) -> None:
     assert again["a"] == again["b"] == solo[7]
 
 
-def test_layers_pad_small_batches_to_a_row_invariant_size(loaded: Any) -> None:
+def test_layers_give_each_decode_row_its_bits_alone(loaded: Any) -> None:
+    """Padded to a row-invariant count where this machine's BLAS has one, else one row at a
+    time: a decode batch's row has the bits it has alone, at every count and place."""
     assert invariance.prepare(loaded.model, PARALLEL) is None
     assert invariance.prepare(loaded.model, PARALLEL) is None  # twice is harmless
     for name, module in loaded.model.named_modules():
         if invariance._kind(module) != "linear":
             continue
-        x = mx.random.normal((PARALLEL, invariance._width(module)), key=mx.random.key(1))
+        x = mx.random.normal((PARALLEL, 1, invariance._width(module)), key=mx.random.key(1))
         full = module(x)
         for m in range(1, PARALLEL + 1):
             assert mx.array_equal(module(x[:m]), full[:m]).item(), (name, m)
+            assert mx.array_equal(module(x[m - 1 : m]), full[m - 1 : m]).item(), (name, m)
         # Leading dimensions (batch, tokens) keep their shape.
-        assert module(x[:3].reshape(3, 1, -1)).shape == (3, 1, full.shape[-1])
+        assert module(x[:3]).shape == (3, 1, full.shape[-1])

@@ -29,6 +29,8 @@ def test_each_row_computes_its_own_adapter_as_mlx_lm_does() -> None:
     assert mx.allclose(y[0], refs[0](x[0]), atol=1e-4)
     half = base(x[1]) + 0.5 * (refs[1](x[1]) - base(x[1]))
     assert mx.allclose(y[1], half, atol=1e-4)
-    assert mx.array_equal(y[2], base(x[2]))
+    # A row without an adapter adds exactly nothing to what the base layer gives it in the
+    # same matrix (a BLAS may give a row other bits in another matrix: its place counts).
+    assert mx.array_equal(y[2], base(x)[2])
     rows.set(None)  # no row uses an adapter: the base layer alone
     assert mx.array_equal(layer(x), base(x))
