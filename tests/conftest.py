@@ -86,10 +86,10 @@ class ServerProcess:
             cwd=REPO,
         )
         why = wait_until_healthy(self.base_url, lambda: self.proc.poll() is not None, timeout)
-        if why == "did not start":
-            self.stop()
         if why is not None:
-            raise RuntimeError(f"server {why}:\n{self.log()}")
+            text = self.log()
+            self.stop()  # ended or ending: its log file is closed here, not left to the GC
+            raise RuntimeError(f"server {why}:\n{text}")
 
     def log(self) -> str:
         self._log.flush()
