@@ -46,6 +46,9 @@ POSITION_SHIFT = mlx_lm_compat.POSITION_SHIFT
 # explicit per-row positions here (qwen2_vl is tested; qwen2_5_vl's language model is the
 # same code shape, not run here).
 MROPE_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# Processor outputs with one value per prompt token (Gemma 4's: which tokens are image, video
+# or audio), cut with the prompt the prefill reads.
+TOKEN_ALIGNED = frozenset({"mm_token_type_ids", "token_type_ids"})
 
 
 def is_vlm(path: Path) -> bool:
@@ -69,8 +72,8 @@ class PreparedMedia:
     # None: the prompt has audio but no image.
     pixel_values: np.ndarray | None
     # The family's extras (image_grid_thw, pixel_attention_mask, input_features, ...), as
-    # numpy arrays; those with one value per token are cut to all but the last token (what
-    # the prefill reads).
+    # numpy arrays; those with one value per token (TOKEN_ALIGNED) are cut to all but the
+    # last token (what the prefill reads).
     extras: tuple[tuple[str, np.ndarray], ...] = ()
     # Where the last image or audio token is in ``tokens`` (-1: none).
     last_media_token: int = -1
@@ -124,7 +127,7 @@ class MediaProcessor:
         if pixels is not None and not images:
             pixels = None  # a processor's empty placeholder
         extras = tuple(
-            (name, array[:, :-1] if array.shape[:2] == (1, ids.size) else array)
+            (name, array[:, :-1] if name in TOKEN_ALIGNED else array)
             for name, array in sorted(arrays.items())
         )
         digest = hashlib.sha256()
