@@ -66,9 +66,10 @@ class ChatPrompt:
 
 @attrs.frozen
 class AudioRef:
-    """An audio part (``input_audio``) a text model hears through speech-to-text: where it is
-    in the body, its base64 data and format, and the placeholder the prompt holds until its
-    transcript replaces it (http/ transcribes it before the request is submitted)."""
+    """An audio part (``input_audio``): where it is in the body, its base64 data and format,
+    and the placeholder the prompt holds until its transcript replaces it (a text model hears
+    it through speech-to-text, before the request is submitted); empty when the audio stays a
+    part of the message (a model that hears audio itself, or a stored conversation)."""
 
     where: str
     data: str
