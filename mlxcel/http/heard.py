@@ -71,17 +71,22 @@ async def _transcript(stt: Any, data: str, where: str) -> str:
     return str(heard.text).strip()
 
 
+def hears_itself(media: Any) -> bool:
+    """Whether the model whose processor is ``media`` (None: a text model) hears audio."""
+    return media is not None and bool(media.hears)
+
+
 def hearing(stt: Any, audio_input: bool, media: Any) -> tuple[bool, bool]:
     """Whether audio parts are taken (``--no-audio-input`` refuses them), and whether the
     model hears them itself (else through speech-to-text, when a speech model is loaded)."""
-    native = media is not None and media.hears
+    native = hears_itself(media)
     return audio_input and (native or stt is not None), audio_input and native
 
 
 async def hear(request: GenerationRequest, stt: Any, media: Any) -> GenerationRequest:
     """The request with its audio parts ready for the model: decoded for a model that hears
     audio itself (``media``: its ``MediaProcessor``), else transcribed into the prompt."""
-    if media is not None and media.hears:
+    if hears_itself(media):
         return await decode_parts(request, media.max_audio_seconds)
     return await transcribe_parts(request, stt)
 

@@ -438,7 +438,7 @@ def _model_entry(
             ollama["capabilities"] = [
                 "completion",
                 *(["vision"] if info.media else []),
-                *(["audio"] if info.media and info.media.hears else []),
+                *(["audio"] if heard.hears_itself(info.media) else []),
             ]
         ollama["details"] = {"format": weights_format(info.path)}
         entry["capabilities"] = ollama["capabilities"]

@@ -13,7 +13,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from mlxcel import __version__
-from mlxcel.http import slot_files
+from mlxcel.http import heard, slot_files
 from mlxcel.http.audio import audio_capabilities
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.embeddings import capabilities_props
@@ -214,7 +214,7 @@ async def props() -> Response:
             "modalities": {
                 "vision": info.media is not None,
                 "video": False,
-                "audio": info.media is not None and info.media.hears,
+                "audio": heard.hears_itself(info.media),
             },
             "build_info": f"mlxcel-{__version__}",
             # mlxcel extension: where the chat model computes ("cpu", "gpu (cuda: NVIDIA H200)").

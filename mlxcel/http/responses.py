@@ -271,7 +271,7 @@ async def _heard(
 ) -> list[dict[str, Any]]:
     """The items with their audio checked and kept (a model that hears it) or transcribed."""
     media = model.info.media
-    if media is not None and media.hears:
+    if heard.hears_itself(media):
         return await heard.keep_items(items, media.max_audio_seconds)
     return await heard.transcribe_items(items, ctx.stt) if ctx.stt is not None else items
 
