@@ -227,10 +227,10 @@ class ServerContext:
 def _fingerprint(description: str, path: str, device: str, batch_invariant: bool) -> str:
     """Which configuration produced an answer, for clients that compare seeded answers. It
     changes with what changes the numbers: our and mlx's versions, the model and its
-    precision, the BLAS, the device and --batch-invariant."""
+    precision, the BLAS, the device, int8 activations and --batch-invariant."""
     from importlib.metadata import version
 
-    from mlxcel import __version__
+    from mlxcel import __version__, native
     from mlxcel.models.blas import preload_blas
 
     parts = (
@@ -240,6 +240,7 @@ def _fingerprint(description: str, path: str, device: str, batch_invariant: bool
         path,
         preload_blas().name,
         device,
+        native.int8_activations(),
         str(batch_invariant),
     )
     return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]

@@ -4,7 +4,8 @@ mlx's CPU kernels for anything but float32 are 4-40x slower than OpenBLAS float3
 mlxcel dequantises models to float32 and one decode stream reads ~4x more bytes per step than
 the quantised weights hold. ``quantized_matmul`` and ``bf16_matmul`` here dequantise or widen
 the weights in registers (AVX-512) and compute in float32, with mlx's own semantics, as graph
-nodes on mlx's CPU stream.
+nodes on mlx's CPU stream; on CPUs with AVX512-VNNI, quantised weights meet activations
+quantised to int8 instead (``INT8_MODES`` below).
 
 ``available()`` says whether the extension runs here (``reason()`` says why not); when it
 does not, both functions compute the same result with mlx ops, so callers need not care. The
@@ -23,6 +24,7 @@ loader is meant to import it, and importing the loader's package back would be a
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from types import ModuleType
@@ -31,15 +33,18 @@ import mlx.core as mx
 
 __all__ = [
     "BF16_ROWS_THRESHOLD",
+    "INT8_MODES",
     "ROWS_THRESHOLD",
     "available",
     "bf16_matmul",
+    "int8_activations",
     "quantized_matmul",
     "reason",
+    "set_int8_activations",
 ]
 
-# Above this many rows (prefill chunks) the wrappers dequantise to float32 and let OpenBLAS do
-# the matmul: once there are enough rows to pay for dequantising the whole matrix per call,
+# With int8 activations off: above this many rows (prefill chunks) the wrappers dequantise to
+# float32 and let OpenBLAS do the matmul: once there are enough rows to pay for dequantising the whole matrix per call,
 # OpenBLAS's GEMM beats our rows kernel. Measured here (2 cores, AMD EPYC Zen 4, g32 float16
 # scales, `tools/bench/kernels.py --rows 128 256 512`), median ms ours vs dequantise + OpenBLAS:
 #   4-bit 576->1536:  128 rows 1.48 vs 2.96; 256 rows 2.74 vs 4.04; 512 rows 5.14 vs 6.24
@@ -79,6 +84,47 @@ def _load() -> tuple[ModuleType | None, str]:
 
 _EXT, _LOAD_REASON = _load()
 
+# Int8 activations (``src/kernels_vnni.cpp``, CPUs with AVX512-VNNI): each row of x quantised
+# per 32 inputs to int8, as llama.cpp does for its quantised dot products, and multiplied
+# with the stored 4/8-bit weights in integers. ~1.4-2x the float rows kernel from 12 rows on
+# (decode batches, prompts); logits move by ~0.5% of their scale (docs/performance.md).
+#   "many-rows": from 12 rows on (the default); fewer rows keep the float kernels, faster there.
+#   "every-row": at every row count; a row's result then never depends on how many rows are
+#     beside it (the int8 kernels give a row the same bits at any count), which
+#     --batch-invariant uses.
+#   "off": float32 everywhere (logits equal the float32 model's up to summation order).
+# MLXCEL_NATIVE_INT8 (off / many-rows / every-row; 0 means off) sets the default.
+INT8_MODES = ("off", "many-rows", "every-row")
+
+
+def _int8_default() -> str:
+    value = os.environ.get("MLXCEL_NATIVE_INT8", "many-rows")
+    value = {"0": "off", "1": "many-rows"}.get(value, value)
+    return value if value in INT8_MODES else "many-rows"
+
+
+def set_int8_activations(mode: str | None = None) -> str:
+    """Choose which quantised matmuls take int8 activations (``INT8_MODES``; None: the
+    default, ``MLXCEL_NATIVE_INT8``); returns the mode in force ("off" where unsupported).
+    Process-wide; graphs already built keep the mode they were built with."""
+    wanted = _int8_default() if mode is None else mode
+    if wanted not in INT8_MODES:
+        raise ValueError(f"int8 mode must be one of {INT8_MODES}, not {mode!r}")
+    global _INT8
+    _INT8 = (
+        "off" if _EXT is None else INT8_MODES[_EXT.set_int8_activations(INT8_MODES.index(wanted))]
+    )
+    return _INT8
+
+
+def int8_activations() -> str:
+    """The int8 mode in force (see ``INT8_MODES``)."""
+    return _INT8
+
+
+_INT8 = "off"
+set_int8_activations()
+
 
 def reason() -> str:
     """One line saying why the kernels are not used here; empty when they are."""
@@ -111,7 +157,9 @@ def quantized_matmul(
 
     ``w``, ``scales``, ``biases`` are as ``mx.quantize`` makes them (affine mode; scales and
     biases float32, float16 or bfloat16). Float32 ``x`` [..., K] gives float32 [..., N]."""
-    native_rows = _rows(x) <= ROWS_THRESHOLD.get(bits, 0)
+    # With int8 activations the kernels stay ahead at any row count (3-4x dequantise +
+    # OpenBLAS at 1024 rows), so prompts of any chunk size are read on them too.
+    native_rows = _INT8 != "off" or _rows(x) <= ROWS_THRESHOLD.get(bits, 0)
     if x.dtype == mx.float32 and native_rows and available():
         assert _EXT is not None
         out: mx.array = _EXT.quantized_matmul(

@@ -1,16 +1,20 @@
 """The native matmul kernels (mlxcel/native) against mlx's float32 reference.
 
-Tolerance: |ours - ref| <= 1e-5 * (|x| @ |W|.T) elementwise. Both sides are float32 sums of the
+The float32 kernels first (int8 activations off, as every test here has them unless it asks):
+tolerance: |ours - ref| <= 1e-5 * (|x| @ |W|.T) elementwise. Both sides are float32 sums of the
 same products in different orders (ours: 16-lane partial sums per tile); such sums differ by
 at most ~K * 2^-24 of the sum of the terms' magnitudes, typically ~sqrt(K) * 2^-24 (< 3e-6 at
 K=1536), and |x| @ |W|.T is exactly that magnitude, so a wrong weight, scale or row fails by
 orders of magnitude while a legitimate reordering never does.
+
+Then int8 activations (AVX512-VNNI), whose error is bounded by how x is rounded: see
+``_check_int8``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,10 @@ from mlxcel.native import (
     ROWS_THRESHOLD,
     available,
     bf16_matmul,
+    int8_activations,
     quantized_matmul,
     reason,
+    set_int8_activations,
 )
 from mlxcel.native.build import HERE
 
@@ -75,6 +81,13 @@ def _qmm(x: mx.array, w: mx.array, s: mx.array, b: mx.array, group: int, bits: i
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     mx.random.seed(7)
+
+
+@pytest.fixture(autouse=True)
+def _float_kernels() -> Iterator[None]:
+    set_int8_activations("off")
+    yield
+    set_int8_activations(None)  # the process default
 
 
 @needs_ext
@@ -244,3 +257,147 @@ def test_bfloat16_checkpoint_on_native_kernels(tmp_path: Path) -> None:
     assert result.max_rel_diff < 2e-5, result
     # Asking for a dtype gets it everywhere.
     assert load_model(resolved, dtype="float32").native_layers == 0
+
+
+# ---- int8 activations -------------------------------------------------------------------
+
+needs_vnni = pytest.mark.skipif(
+    not available() or set_int8_activations("every-row") == "off",
+    reason="int8 activations need the native kernels and AVX512-VNNI",
+)
+set_int8_activations(None)
+
+
+def _check_int8(got: mx.array, x: mx.array, dense: mx.array) -> None:
+    """Each row of x is rounded per 32 inputs to multiples of d = max|x| / 127 (the block's),
+    so an output is off by at most sum_k |W[n, k]| * d_k / 2, plus float32's share; a wrong
+    weight, scale, bias or row fails by far more."""
+    rows, k = x.shape
+    amax = mx.abs(x).reshape(rows, k // 32, 32).max(axis=-1, keepdims=True)
+    half_step = mx.broadcast_to(amax / 254, (rows, k // 32, 32)).reshape(rows, k)
+    bound = half_step @ mx.abs(dense).T + 2e-5 * (mx.abs(x) @ mx.abs(dense).T) + 1e-30
+    want = x @ dense.T
+    assert got.shape == want.shape and got.dtype == mx.float32
+    excess = (mx.abs(got - want) / bound).max().item()
+    assert excess <= 1.0, f"error {excess:.3g}x the bound"
+    # ... and it is not the float32 result either: the rounding of x shows.
+    assert (mx.abs(got - want).max() > 0).item()
+
+
+@needs_vnni
+@pytest.mark.parametrize(("k", "group"), [(64, 32), (576, 32), (576, 64), (1536, 128)])
+@pytest.mark.parametrize("n", [7, 200, 1536])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_within_the_rounding_bound(k: int, group: int, n: int, bits: int) -> None:
+    set_int8_activations("every-row")
+    for scale_dtype in (mx.float16, mx.bfloat16, mx.float32):
+        w, s, b, dense = _quantized(n, k, bits, group, scale_dtype)
+        # 1-8 rows: columns as lanes; 12 and more: the rows kernel (one, several, ragged).
+        for rows in (1, 3, 8, 11, 12, 16, 40, 300):
+            x = mx.random.normal((rows, k)) * mx.random.uniform(0.1, 10.0, (rows, 1))
+            _check_int8(_qmm(x, w, s, b, group, bits), x, dense)
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_row_gets_the_same_bits_at_any_row_count(bits: int) -> None:
+    w, s, b, dense = _quantized(1536, 576, bits, 32, mx.float16)
+    x = mx.random.normal((48, 576))
+    set_int8_activations("every-row")
+    full = _qmm(x, w, s, b, 32, bits)
+    for rows in (1, 2, 5, 8, 11, 12, 13, 16, 17, 31, 33):
+        for start in (0, 3, 48 - rows):
+            part = _qmm(x[start : start + rows], w, s, b, 32, bits)
+            assert mx.array_equal(part, full[start : start + rows]).item(), (rows, start)
+    # "many-rows": the same kernel from 12 rows on; fewer rows take the float32 kernels.
+    set_int8_activations("many-rows")
+    assert mx.array_equal(_qmm(x[:12], w, s, b, 32, bits), full[:12]).item()
+    _check(_qmm(x[:11], w, s, b, 32, bits), x[:11], dense)
+    # Prompt-sized inputs stay on the kernels (not dequantise + OpenBLAS) with int8 on.
+    big = mx.random.normal((ROWS_THRESHOLD[bits] + 40, 576))
+    via_wrapper = quantized_matmul(big, w, s, b, group_size=32, bits=bits)
+    assert mx.array_equal(via_wrapper, _qmm(big, w, s, b, 32, bits)).item()
+    _check_int8(via_wrapper, big, dense)
+
+
+@needs_vnni
+def test_int8_modes() -> None:
+    w, s, b, dense = _quantized(64, 576, 4, 32, mx.float16)
+    x = mx.random.normal((16, 576))
+    assert set_int8_activations("many-rows") == int8_activations() == "many-rows"
+    # A graph computes with the mode it was built under.
+    built = _qmm(x, w, s, b, 32, 4)
+    set_int8_activations("off")
+    _check_int8(built, x, dense)
+    _check(_qmm(x, w, s, b, 32, 4), x, dense)
+    with pytest.raises(ValueError, match="int8 mode"):
+        set_int8_activations("sometimes")
+    ext = _ext()
+    ext.force_generic(True)  # type: ignore[attr-defined]
+    try:
+        assert set_int8_activations("every-row") == "off"  # the portable kernels have none
+    finally:
+        ext.force_generic(False)  # type: ignore[attr-defined]
+    assert set_int8_activations("every-row") == "every-row"
+
+
+@needs_vnni
+def test_batch_invariant_finds_int8_layers_row_invariant() -> None:
+    """--batch-invariant runs with int8 at every row count: quantised layers need no padding."""
+    import mlx.nn as nn
+
+    from mlxcel.actors.model_runner import invariance
+    from mlxcel.native.layers import install
+
+    layer = nn.QuantizedLinear(576, 1536, bias=False, group_size=32, bits=4)
+    install(layer)
+    set_int8_activations("every-row")
+    assert invariance._floor(layer, "linear", 64) == 1
+    set_int8_activations("off")  # float32: the tiles and the rows kernel sum in other orders
+    assert invariance._floor(layer, "linear", 64) != 1
+
+
+# A fixed English passage: what the int8 model is scored on.
+PASSAGE = (
+    "The river ran high that spring, fed by snow from the northern hills. In the village, the "
+    "miller watched the water climb the stones of his wheel-house and wondered whether the old "
+    "dam would hold. His daughter, who kept the accounts, had warned him in the autumn that "
+    "the timbers were rotten, but repairs cost money, and money had been scarce since the "
+    "harvest failed. Now the whole valley depended on a wall of wet oak and hope. At dusk the "
+    "neighbours came with lanterns and sandbags, and together they worked through the night, "
+    "passing sacks from hand to hand while the rain drummed on their hoods."
+)
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_default_model_with_int8_activations() -> None:
+    """The default model with int8 activations reads a passage as float32 does: the next-token
+    distributions barely move (mean KL), the likeliest token is mostly the same, and the
+    passage is no less likely (measured: KL 3e-3, 96% of top tokens, loss within 0.01)."""
+    from mlxcel.models.loader import load_model
+    from mlxcel.models.resolve import resolve_model
+
+    resolved = resolve_model(None)
+    reference = load_model(resolved, native=False)
+    quantized = load_model(resolved)
+    tokens = reference.tokenizer.encode(PASSAGE)
+    assert len(tokens) > 100
+    x = mx.array([tokens])
+
+    def log_probs(model: Any) -> mx.array:
+        logits = model(x).astype(mx.float32)[0]
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    want = log_probs(reference.model)
+    set_int8_activations("many-rows")  # a prompt this long is read with int8 activations
+    got = log_probs(quantized.model)
+    kl = (mx.exp(want) * (want - got)).sum(axis=-1)
+    same_top = (mx.argmax(want, -1) == mx.argmax(got, -1)).astype(mx.float32).mean().item()
+    nxt = mx.array(tokens[1:])[:, None]
+    loss_want = -mx.take_along_axis(want[:-1], nxt, -1).mean().item()
+    loss_got = -mx.take_along_axis(got[:-1], nxt, -1).mean().item()
+    assert kl.mean().item() < 1e-2, kl.mean().item()
+    assert same_top >= 0.9, same_top
+    assert abs(loss_got - loss_want) < 0.05, (loss_got, loss_want)
+    assert kl.max().item() > 1e-6  # int8 was in force: the distributions did move

@@ -18,6 +18,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.generate import StopSequences
 
+from mlxcel import native
 from mlxcel.actors.model_runner import invariance, sampler_chain
 from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
@@ -94,6 +95,9 @@ class MlxBackend:
         self._lora_of: dict[int, tuple[float, ...]] = {}
         model = self._with_adapters(loaded, settings)
         mlx_lm_compat.install()  # once per process; the loader did it already
+        # Process-wide too: int8 activations at every row count give a row the same bits
+        # whatever the batch (mlxcel.native), so quantised layers need no padding.
+        native.set_int8_activations("every-row" if settings.batch_invariant else None)
         if settings.batch_invariant:
             problem = invariance.prepare(loaded.model, settings.parallel)
             if problem is not None:

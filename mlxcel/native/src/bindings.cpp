@@ -24,4 +24,6 @@ NB_MODULE(_ext, m) {
   m.def("kernel_isa", &mlxcel_native::kernel_isa);
   m.def("force_generic", &mlxcel_native::force_generic, "on"_a);
   m.def("pool_threads", &mlxcel_native::pool_threads);
+  m.def("set_int8_activations", &mlxcel_native::set_int8_activations, "mode"_a);
+  m.def("int8_activations", &mlxcel_native::int8_activations);
 }

@@ -54,4 +54,23 @@ void qmm_transpose_x(const float* x, float* xT, int M, int Mp, int K, bool nibbl
 void qmm_rows_avx512(const QmmArgs& a, const float* xT, int Mp, int n0, int n1);
 void bf16mm_rows_avx512(const Bf16Args& a, const float* xT, int Mp, int n0, int n1);
 
+// ---- int8 activations (AVX512-VNNI, kernels_vnni.cpp) ------------------------------------
+// Rows quantised per 32-input block: xq [K/4][Mp][4] int8 (4 inputs of 16 rows per 64 bytes),
+// d [K/32][Mp] (each block's scale, max|x| / 127), sums [K/group_size][Mp] (each weight
+// group's sum of the quantised x, d * sum(xq) over its blocks, for the biases). Rows M..Mp are zero.
+struct Int8Rows {
+  int8_t* xq;
+  float* d;
+  float* sums;
+  int Mp;  // rows rounded up to 16
+};
+void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Rows& xr);
+// Columns [n0, n1) of out for every row; callers cut column ranges at multiples of kVnniCols.
+void qmm_rows_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1);
+constexpr int kVnniCols = 8;
+// The same below kRowsKernelMin rows (columns as lanes; ranges cut at multiples of 16), giving
+// each row the bits qmm_rows_vnni gives it.
+void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1);
+constexpr int kVnniColsSmall = 16;
+
 }  // namespace mlxcel_native

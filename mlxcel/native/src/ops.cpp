@@ -31,6 +31,24 @@ bool use_avx512() {
   return cpu_has_avx512() && !generic_forced.load(std::memory_order_relaxed);
 }
 
+std::atomic<int> int8_wanted{0};  // an Int8Mode
+
+bool cpu_has_vnni() {
+#if defined(__x86_64__)
+  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Which quantized matmuls quantise their activations to int8 (kernels_vnni.cpp) rather than
+// widen the weights to float32: none without AVX512-VNNI or with the kernels forced generic.
+int int8_mode() {
+  if (!use_avx512() || !cpu_has_vnni()) return int(Int8Mode::off);
+  return int8_wanted.load(std::memory_order_relaxed);
+}
+
 // Below this many multiply-adds a call runs on the calling thread alone. While mlx evaluates,
 // its main thread keeps encoding the graph as the stream's thread computes, so on a 2-core
 // machine a second worker competes with it. Measured on SmolLM2-135M decode (1 row, ms/step):
@@ -120,6 +138,17 @@ int pool_threads() {
   return Pool::instance().threads();
 }
 
+int set_int8_activations(int mode) {
+  if (mode < int(Int8Mode::off) || mode > int(Int8Mode::every_row))
+    bad("int8 mode must be 0 (off), 1 (many rows) or 2 (every row)");
+  int8_wanted.store(mode);
+  return int8_mode();
+}
+
+int int8_activations() {
+  return int8_mode();
+}
+
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -152,7 +181,7 @@ mx::array quantized_matmul(
   return mx::array(
       out_shape(x, N),
       mx::float32,
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, int8_mode()),
       {mx::contiguous(x, false, stream),
        mx::contiguous(w, false, stream),
        mx::contiguous(scales, false, stream),
@@ -194,6 +223,32 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       int(w.shape(0)),
       K,
       out.data<float>()};
+  // Below kRowsKernelMin rows the float tiles are ~2x faster than the int8 kernel (which lays
+  // the weights out again at every call), so `many rows` keeps them there.
+  const bool int8 = args.K % 32 == 0 &&
+      (int8_ == int(Int8Mode::every_row) ||
+       (int8_ == int(Int8Mode::many_rows) && args.M >= kRowsKernelMin));
+  if (int8) {
+    encoder.dispatch([args]() {
+      if (args.N == 0 || args.M == 0) return;
+      const int Mp = (args.M + 15) / 16 * 16;
+      std::vector<int8_t> xq(size_t(Mp) * args.K);
+      std::vector<float> d(size_t(Mp) * (args.K / 32));
+      std::vector<float> sums(size_t(Mp) * (args.K / args.group_size));
+      Int8Rows xr{xq.data(), d.data(), sums.data(), Mp};
+      qmm_quantize_rows_int8(args.x, args.M, args.K, args.group_size, xr);
+      if (args.M >= kRowsKernelMin) {
+        run_columns(args.M, args.N, args.K, kVnniCols, [&](int n0, int n1) {
+          qmm_rows_vnni(args, xr, n0, n1);
+        });
+      } else {
+        run_columns(args.M, args.N, args.K, kVnniColsSmall, [&](int n0, int n1) {
+          qmm_cols_vnni(args, xr, n0, n1);
+        });
+      }
+    });
+    return;
+  }
   encoder.dispatch([args, avx = use_avx512()]() {
     run_matmul(args, avx, args.bits == 4, qmm_generic, qmm_rows_avx512, [](QmmArgs a) {
       std::vector<float> xp;
@@ -215,7 +270,7 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const QuantizedMatmul*>(&other);
-  return o != nullptr && o->group_size_ == group_size_ && o->bits_ == bits_;
+  return o != nullptr && o->group_size_ == group_size_ && o->bits_ == bits_ && o->int8_ == int8_;
 }
 
 void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

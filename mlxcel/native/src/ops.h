@@ -29,11 +29,20 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
 const char* kernel_isa();
 void force_generic(bool on);
 int pool_threads();
+// int8 activations for quantized matmuls (see kernels_vnni.cpp): `many_rows` from
+// kRowsKernelMin rows on (float32 below), `every_row` at every row count, so that a row's
+// result never depends on the rows beside it (--batch-invariant). set_int8_activations asks
+// for a mode and returns the one in force (off without AVX512-VNNI or when forced generic).
+enum class Int8Mode : int { off = 0, many_rows = 1, every_row = 2 };
+int set_int8_activations(int mode);
+int int8_activations();
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  // `int8`: the Int8Mode in force when the graph was built (so a graph computes what it was
+  // built to, whatever the setting is when it is evaluated).
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, int int8)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -44,6 +53,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  int int8_;
 };
 
 class Bf16Matmul : public mx::UnaryPrimitive {

@@ -1,0 +1,384 @@
+// AVX512-VNNI kernel for many rows: integer dot products of the stored 4/8-bit weights with
+// activations quantised to int8 (this file alone is compiled with -mavx512vnni on top of the
+// AVX-512 flags; callers check the CPU first, as for kernels_avx512.cpp).
+//
+// Why: the float rows kernel (kernels_avx512.cpp) widens every weight to float32 and does one
+// 16-lane FMA per 16 multiply-adds; at 64 rows a SmolLM2 decode step spends ~80% of its time
+// there at ~28% of the FMA peak. vpdpbusd does 64 multiply-adds (unsigned 8-bit weight x
+// signed 8-bit activation, summed 4 at a time into 16 int32 lanes) per instruction.
+//
+// Numerics, as llama.cpp's Q4_1 x Q8_1 dot products: each row's activations are quantised per
+// 32-input block to int8 with one float scale d = max|x| / 127 (round to nearest), so a
+// weight group's sum is  s * sum_blocks(d * int_dot(q, xq)) + b * sum_blocks(d * sum(xq)). A row's result depends only on that row (its own scales, a fixed
+// order over K), never on the rows beside it or its place among them.
+//
+// Layout: lanes are 16 rows (as in the float rows kernel). xq is [K/4][Mp][4] int8, so one
+// 64-byte load is 16 rows x 4 inputs; a column's 4 weights for those inputs are one 32-bit
+// broadcast. The int32 sums of one 32-input block are scaled into float accumulators once.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace mlxcel_native {
+namespace {
+
+template <ScaleType ST>
+inline float scale_at(const void* p, long i) {
+  if constexpr (ST == ScaleType::f32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (ST == ScaleType::f16) {
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+}
+
+inline int load_u32(const uint8_t* p) {
+  int v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// MV vectors of 16 rows (from m0) x NC columns over all of K; wc[c] points at column c's
+// weights as bytes in input order, sb/bb at its scales and biases widened ([c * G + g]).
+template <int MV, int NC>
+void vnni_tile(const QmmArgs& a, const Int8Rows& xr, int m0, const uint8_t* const* wc,
+               const float* sb, const float* bb, int n0, int n_end) {
+  const int Mp = xr.Mp;
+  const int G = a.K / a.group_size;
+  const int bpg = a.group_size / 32;
+  __m512 acc[MV][NC];
+#pragma GCC unroll 16
+  for (int v = 0; v < MV; ++v)
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) acc[v][c] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    for (int b = 0; b < bpg; ++b) {
+      const long blk = long(g) * bpg + b;
+      __m512i ia[MV][NC];
+#pragma GCC unroll 16
+      for (int v = 0; v < MV; ++v)
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) ia[v][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const long kq = blk * 8 + u;  // which 4 inputs
+        __m512i xv[MV];
+#pragma GCC unroll 4
+        for (int v = 0; v < MV; ++v)
+          xv[v] = _mm512_loadu_si512(xr.xq + (kq * Mp + m0 + 16 * v) * 4);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const __m512i wv = _mm512_set1_epi32(load_u32(wc[c] + kq * 4));
+#pragma GCC unroll 4
+          for (int v = 0; v < MV; ++v) ia[v][c] = _mm512_dpbusd_epi32(ia[v][c], wv, xv[v]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int v = 0; v < MV; ++v) {
+        const __m512 dv = _mm512_loadu_ps(xr.d + blk * Mp + m0 + 16 * v);
+#pragma GCC unroll 16
+        for (int c = 0; c < NC; ++c) {
+          const __m512 sd = _mm512_mul_ps(dv, _mm512_set1_ps(sb[c * G + g]));
+          acc[v][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[v][c]), sd, acc[v][c]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) {
+      const __m512 sv = _mm512_loadu_ps(xr.sums + long(g) * Mp + m0 + 16 * v);
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c)
+        acc[v][c] = _mm512_fmadd_ps(sv, _mm512_set1_ps(bb[c * G + g]), acc[v][c]);
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int v = 0; v < MV; ++v) {
+    for (int c = 0; c < NC && n0 + c < n_end; ++c) {
+      _mm512_store_ps(lanes, acc[v][c]);
+      for (int i = 0; i < 16 && m0 + 16 * v + i < a.M; ++i)
+        a.out[long(m0 + 16 * v + i) * a.N + n0 + c] = lanes[i];
+    }
+  }
+}
+
+// Columns [n0, n0 + kVnniCols) (columns at or past n_end repeat the last valid one) for every
+// row: the block's 4-bit weights unpacked to bytes once, its scales widened once, then tiles
+// of 16 rows.
+template <int BITS, ScaleType ST>
+void vnni_block(const QmmArgs& a, const Int8Rows& xr, int n0, int n_end,
+                std::vector<uint8_t>& wbuf, std::vector<float>& sbuf) {
+  constexpr int NC = kVnniCols;
+  const int K = a.K;
+  const int G = K / a.group_size;
+  const long row_bytes = long(K) * BITS / 8;
+  const uint8_t* wc[NC];
+  sbuf.resize(size_t(2) * NC * G);
+  float* sb = sbuf.data();
+  float* bb = sb + NC * G;
+  if constexpr (BITS == 4) wbuf.resize(size_t(NC) * K);
+  for (int c = 0; c < NC; ++c) {
+    const long col = n0 + c < n_end ? n0 + c : n_end - 1;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + col * row_bytes;
+    if constexpr (BITS == 4) {
+      // mlx packs input 2i in the low nibble of byte i and 2i+1 in the high one.
+      uint8_t* dst = wbuf.data() + long(c) * K;
+      const __m128i low = _mm_set1_epi8(0x0f);
+      for (long i = 0; i < row_bytes; i += 16) {
+        const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+        const __m128i lo = _mm_and_si128(p, low);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), low);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
+      }
+      wc[c] = dst;
+    } else {
+      wc[c] = src;
+    }
+    for (int g = 0; g < G; ++g) {
+      sb[c * G + g] = scale_at<ST>(a.scales, col * G + g);
+      bb[c * G + g] = scale_at<ST>(a.biases, col * G + g);
+    }
+  }
+  // One vector of 16 rows at a time: 8 columns' int32 and float sums fill 16 registers, and
+  // the block's unpacked weights (8 x K bytes) stay in L1 across the row tiles. (Measured
+  // at 16 and 64 rows on SmolLM2's shapes: 2 vectors x 6 columns, 4 x 3, 1 x 10 and 1 x 12
+  // were no faster, within this machine's noise.)
+  for (int m = 0; m < xr.Mp; m += 16) vnni_tile<1, NC>(a, xr, m, wc, sb, bb, n0, n_end);
+}
+
+template <int BITS, ScaleType ST>
+void vnni_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
+  std::vector<uint8_t> wbuf;
+  std::vector<float> sbuf;
+  for (int n = n0; n < n1; n += kVnniCols) vnni_block<BITS, ST>(a, xr, n, n1, wbuf, sbuf);
+}
+
+template <int BITS>
+void vnni_bits(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
+  switch (a.scale_type) {
+    case ScaleType::f32: return vnni_typed<BITS, ScaleType::f32>(a, xr, n0, n1);
+    case ScaleType::f16: return vnni_typed<BITS, ScaleType::f16>(a, xr, n0, n1);
+    case ScaleType::bf16: return vnni_typed<BITS, ScaleType::bf16>(a, xr, n0, n1);
+  }
+}
+
+// ---- Few rows: the output's columns as lanes ----------------------------------------------
+// Below kRowsKernelMin rows a 16-row vector would be mostly padding, so lanes are 16 output
+// columns instead: their weights are laid out once per call as [K/4][16 columns][4 bytes] (a
+// 16 x 16 transpose of 32-bit words per 64 inputs), and each row's 4 activations are one
+// broadcast. Every (row, column) goes through the same float operations in the same order as
+// in vnni_tile (d * s per block, then an FMA; the biases' FMA per group), and the int32 block
+// sums are exact, so a row gets the same bits from both kernels: with int8 activations a
+// row's result never depends on how many rows are beside it.
+
+// r[i] lane j -> r[j] lane i, for 16 vectors of 16 32-bit words.
+inline void transpose16(__m512i r[16]) {
+  __m512i a[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // b[4G + e], 128-bit lane L: rows 4G..4G+3 of word 4L + e.
+  __m512i b[16];
+  for (int g = 0; g < 16; g += 4) {
+    b[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
+    b[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
+    b[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
+    b[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44);
+    const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xee);
+    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
+    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xee);
+    r[e] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(c0, c2, 0xdd);
+    r[8 + e] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(c1, c3, 0xdd);
+  }
+}
+
+// MR rows from m0 x the 16 columns whose weights wt ([K/4][16][4]), scales and biases
+// ([G][16]) are laid out; `valid` masks columns past N.
+template <int MR>
+void cols_tile(const QmmArgs& a, const Int8Rows& xr, int m0, const uint8_t* wt, const float* sv,
+               const float* bv, int n0, __mmask16 valid) {
+  const int Mp = xr.Mp;
+  const int G = a.K / a.group_size;
+  const int bpg = a.group_size / 32;
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    const __m512 s = _mm512_loadu_ps(sv + 16L * g);
+    for (int b = 0; b < bpg; ++b) {
+      const long blk = long(g) * bpg + b;
+      __m512i ia[MR];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) ia[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const long kq = blk * 8 + u;
+        const __m512i wv = _mm512_loadu_si512(wt + kq * 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xv = _mm512_set1_epi32(load_u32(
+              reinterpret_cast<const uint8_t*>(xr.xq) + (kq * Mp + m0 + r) * 4));
+          ia[r] = _mm512_dpbusd_epi32(ia[r], wv, xv);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(xr.d[blk * Mp + m0 + r]), s);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), sd, acc[r]);
+      }
+    }
+    const __m512 bias = _mm512_loadu_ps(bv + 16L * g);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr.sums[long(g) * Mp + m0 + r]), bias, acc[r]);
+  }
+  for (int r = 0; r < MR; ++r)
+    _mm512_mask_storeu_ps(a.out + long(m0 + r) * a.N + n0, valid, acc[r]);
+}
+
+template <int BITS, ScaleType ST>
+void cols_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
+  const int K = a.K;
+  const int G = K / a.group_size;
+  const long row_bytes = long(K) * BITS / 8;
+  std::vector<uint8_t> rows;  // 16 columns' weights as bytes in input order (4-bit)
+  if constexpr (BITS == 4) rows.resize(size_t(16) * K);
+  std::vector<uint8_t> wt(size_t(16) * K);
+  std::vector<float> sv(size_t(16) * G), bv(size_t(16) * G);
+  for (int n = n0; n < n1; n += 16) {
+    const uint8_t* col[16];
+    for (int c = 0; c < 16; ++c) {
+      const long cn = n + c < n1 ? n + c : n1 - 1;
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + cn * row_bytes;
+      if constexpr (BITS == 4) {
+        uint8_t* dst = rows.data() + long(c) * K;
+        const __m128i low = _mm_set1_epi8(0x0f);
+        for (long i = 0; i < row_bytes; i += 16) {
+          const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+          const __m128i lo = _mm_and_si128(p, low);
+          const __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), low);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16),
+                           _mm_unpackhi_epi8(lo, hi));
+        }
+        col[c] = dst;
+      } else {
+        col[c] = src;
+      }
+      for (int g = 0; g < G; ++g) {
+        sv[16L * g + c] = scale_at<ST>(a.scales, cn * G + g);
+        bv[16L * g + c] = scale_at<ST>(a.biases, cn * G + g);
+      }
+    }
+    // K is a multiple of 32; 64 inputs (16 words a column) per transpose, then a half.
+    for (long k = 0; k < K; k += 64) {
+      const bool half = K - k < 64;
+      const __mmask16 m = half ? __mmask16(0x00ff) : __mmask16(0xffff);
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) r[c] = _mm512_maskz_loadu_epi32(m, col[c] + k);
+      transpose16(r);
+      for (int u = 0; u < (half ? 8 : 16); ++u)
+        _mm512_storeu_si512(wt.data() + (k / 4 + u) * 64, r[u]);
+    }
+    const __mmask16 valid = n1 - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n1 - n)) - 1);
+    for (int m = 0; m < a.M;) {
+      const int left = a.M - m;
+      switch (left >= 8 ? 8 : left) {
+        case 1: cols_tile<1>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+        case 2: cols_tile<2>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+        case 3: cols_tile<3>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+        case 4: cols_tile<4>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+        case 5: cols_tile<5>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+        case 6: cols_tile<6>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+        case 7: cols_tile<7>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+        default: cols_tile<8>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+      }
+      m += left >= 8 ? 8 : left;
+    }
+  }
+}
+
+template <int BITS>
+void cols_bits(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
+  switch (a.scale_type) {
+    case ScaleType::f32: return cols_typed<BITS, ScaleType::f32>(a, xr, n0, n1);
+    case ScaleType::f16: return cols_typed<BITS, ScaleType::f16>(a, xr, n0, n1);
+    case ScaleType::bf16: return cols_typed<BITS, ScaleType::bf16>(a, xr, n0, n1);
+  }
+}
+
+}  // namespace
+
+void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Rows& xr) {
+  const int Mp = xr.Mp;
+  const long blocks = K / 32;
+  const int bpg = group_size / 32;
+  if (Mp > M) {
+    std::memset(xr.xq, 0, size_t(Mp) * K);
+    std::memset(xr.d, 0, sizeof(float) * size_t(Mp) * blocks);
+    std::memset(xr.sums, 0, sizeof(float) * size_t(Mp) * (K / group_size));
+  }
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  alignas(64) int8_t q[32];
+  for (int m = 0; m < M; ++m) {
+    const float* row = x + long(m) * K;
+    float group_sum = 0.0f;
+    for (long blk = 0; blk < blocks; ++blk) {
+      const __m512 x0 = _mm512_loadu_ps(row + blk * 32);
+      const __m512 x1 = _mm512_loadu_ps(row + blk * 32 + 16);
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+      const float d = amax / 127.0f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      // Round to nearest (even); the saturating narrowing only clips a rounding to 127.5.
+      _mm_store_si128(reinterpret_cast<__m128i*>(q),
+                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+      _mm_store_si128(reinterpret_cast<__m128i*>(q + 16),
+                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+      for (int u = 0; u < 8; ++u)
+        std::memcpy(xr.xq + ((blk * 8 + u) * Mp + m) * 4, q + 4 * u, 4);
+      xr.d[blk * Mp + m] = d;
+      // The biases multiply the quantised x's sum, not x's own: the weights' offset from
+      // zero (q is 0..15 for 4 bits, its mean far from 0) then meets the same x as the scale
+      // term and the rounding errors cancel in it, as llama.cpp's Q8_1 keeps d * sum(xq).
+      const __m512i qs = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
+      const __m512i qs1 =
+          _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16)));
+      group_sum += d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(qs, qs1)));
+      if ((blk + 1) % bpg == 0) {
+        xr.sums[(blk / bpg) * Mp + m] = group_sum;
+        group_sum = 0.0f;
+      }
+    }
+  }
+}
+
+void qmm_rows_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
+  if (a.bits == 4) return vnni_bits<4>(a, xr, n0, n1);
+  return vnni_bits<8>(a, xr, n0, n1);
+}
+
+}  // namespace mlxcel_native
+
+namespace mlxcel_native {
+
+void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
+  if (a.bits == 4) return cols_bits<4>(a, xr, n0, n1);
+  return cols_bits<8>(a, xr, n0, n1);
+}
+
+}  // namespace mlxcel_native
