@@ -74,12 +74,13 @@ def build_mlx_backend(settings: Settings) -> Backend:
     from mlxcel.models.resolve import resolve_model
 
     resolved = resolve_model(settings.model, settings.cache_dir)
-    # --batch-invariant keeps every layer on float32 BLAS, whose results it has checked;
     # --distributed keeps mlx-lm's own layers, which its model.shard knows how to split.
+    # --batch-invariant takes the native kernels too: with int8 activations at every row
+    # count they give a row the same bits in any batch (invariance.prepare checks each layer).
     loaded = load_model(
         resolved,
         keep_quantized=settings.keep_quantized,
-        native=not (settings.batch_invariant or settings.distributed),
+        native=not settings.distributed,
     )
     if settings.distributed:
         shard_model(loaded.model)
@@ -95,7 +96,6 @@ def build_mlx_backend(settings: Settings) -> Backend:
         assert settings.model_draft is not None
         draft = load_model(
             resolve_model(settings.model_draft, settings.cache_dir),
-            native=not settings.batch_invariant,
         )
         log.info("draft model %s (%s) from %s", draft.model_id, draft.dtype, draft.path)
     backend = MlxBackend(loaded, settings, draft)

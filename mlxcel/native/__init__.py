@@ -44,9 +44,10 @@ __all__ = [
 ]
 
 # With int8 activations off: above this many rows (prefill chunks) the wrappers dequantise to
-# float32 and let OpenBLAS do the matmul: once there are enough rows to pay for dequantising the whole matrix per call,
-# OpenBLAS's GEMM beats our rows kernel. Measured here (2 cores, AMD EPYC Zen 4, g32 float16
-# scales, `tools/bench/kernels.py --rows 128 256 512`), median ms ours vs dequantise + OpenBLAS:
+# float32 and let OpenBLAS do the matmul: once there are enough rows to pay for dequantising
+# the whole matrix per call, OpenBLAS's GEMM beats our rows kernel. Measured here (2 cores, AMD
+# EPYC Zen 4, g32 float16 scales, `tools/bench/kernels.py --rows 128 256 512`), median ms ours
+# vs dequantise + OpenBLAS:
 #   4-bit 576->1536:  128 rows 1.48 vs 2.96; 256 rows 2.74 vs 4.04; 512 rows 5.14 vs 6.24
 #   4-bit 1536->576:  128 rows 1.93 vs 4.07; 256 rows 3.39 vs 4.08; 512 rows 6.85 vs 6.40
 #   4-bit 576->576:   128 rows 0.99 vs 1.71; 256 rows 2.04 vs 2.58; 512 rows 3.91 vs 2.66

@@ -50,6 +50,12 @@ CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary to cache
     "-DGGML_NATIVE=ON",  # tuned for this CPU: the cache is per machine
+    # ... but without AMX: on the Intel Xeon VMs here the CPU reports AMX and ggml's AMX
+    # matmul dies on its first tile instruction (SIGILL at `tilezero` in
+    # tinygemm_kernel_amx), so llama-server could not answer a request. Explicit -mno-*
+    # flags win over -march=native's; the AVX-512 and VNNI paths stay.
+    "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
     "-DLLAMA_CURL=OFF",  # deprecated in this tree (warns only when ON); kept for older trees
     "-DLLAMA_OPENSSL=OFF",  # no HTTPS: the benchmark talks plain HTTP on 127.0.0.1
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # no web UI download from Hugging Face at build time

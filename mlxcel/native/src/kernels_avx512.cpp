@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "scales_avx512.h"
 
 namespace mlxcel_native {
 namespace {
@@ -164,18 +165,6 @@ void q_tile(const QmmArgs& a, int m0, int n0, int n_end) {
 constexpr int kKBlock = 512;
 constexpr int kWStride = kKBlock + 16;  // floats; breaks power-of-two strides between columns
 constexpr int kSuperRows = 128;  // rows whose partial sums are kept between K blocks
-
-template <ScaleType ST>
-inline float scale_at(const void* p, long i) {
-  if constexpr (ST == ScaleType::f32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == ScaleType::f16) {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-    return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int(bits))));
-  }
-}
 
 // Columns col[0..NC) for inputs [kb, kb + kn) into wbuf[c * kWStride + (k - kb)].
 template <int BITS, int NC, ScaleType ST>

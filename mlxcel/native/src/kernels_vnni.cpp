@@ -22,28 +22,34 @@
 #include <vector>
 
 #include "kernels.h"
+#include "scales_avx512.h"
 
 namespace mlxcel_native {
 namespace {
-
-template <ScaleType ST>
-inline float scale_at(const void* p, long i) {
-  if constexpr (ST == ScaleType::f32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == ScaleType::f16) {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  }
-}
 
 inline int load_u32(const uint8_t* p) {
   int v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// One column's weights as bytes in input order: 8-bit ones as stored; 4-bit ones unpacked
+// into dst (mlx packs input 2i in the low nibble of byte i and 2i+1 in the high one).
+template <int BITS>
+const uint8_t* column_bytes(const uint8_t* src, long row_bytes, uint8_t* dst) {
+  if constexpr (BITS == 8) {
+    return src;
+  } else {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    for (long i = 0; i < row_bytes; i += 16) {
+      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i lo = _mm_and_si128(p, low);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), low);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
+    }
+    return dst;
+  }
 }
 
 // MV vectors of 16 rows (from m0) x NC columns over all of K; wc[c] points at column c's
@@ -123,25 +129,11 @@ void vnni_block(const QmmArgs& a, const Int8Rows& xr, int n0, int n_end,
   sbuf.resize(size_t(2) * NC * G);
   float* sb = sbuf.data();
   float* bb = sb + NC * G;
-  if constexpr (BITS == 4) wbuf.resize(size_t(NC) * K);
+  wbuf.resize(size_t(NC) * K);  // 4-bit columns are unpacked into it
   for (int c = 0; c < NC; ++c) {
     const long col = n0 + c < n_end ? n0 + c : n_end - 1;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + col * row_bytes;
-    if constexpr (BITS == 4) {
-      // mlx packs input 2i in the low nibble of byte i and 2i+1 in the high one.
-      uint8_t* dst = wbuf.data() + long(c) * K;
-      const __m128i low = _mm_set1_epi8(0x0f);
-      for (long i = 0; i < row_bytes; i += 16) {
-        const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-        const __m128i lo = _mm_and_si128(p, low);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), low);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16), _mm_unpackhi_epi8(lo, hi));
-      }
-      wc[c] = dst;
-    } else {
-      wc[c] = src;
-    }
+    wc[c] = column_bytes<BITS>(src, row_bytes, wbuf.data() + long(c) * K);
     for (int g = 0; g < G; ++g) {
       sb[c * G + g] = scale_at<ST>(a.scales, col * G + g);
       bb[c * G + g] = scale_at<ST>(a.biases, col * G + g);
@@ -159,15 +151,6 @@ void vnni_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
   std::vector<uint8_t> wbuf;
   std::vector<float> sbuf;
   for (int n = n0; n < n1; n += kVnniCols) vnni_block<BITS, ST>(a, xr, n, n1, wbuf, sbuf);
-}
-
-template <int BITS>
-void vnni_bits(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
-  switch (a.scale_type) {
-    case ScaleType::f32: return vnni_typed<BITS, ScaleType::f32>(a, xr, n0, n1);
-    case ScaleType::f16: return vnni_typed<BITS, ScaleType::f16>(a, xr, n0, n1);
-    case ScaleType::bf16: return vnni_typed<BITS, ScaleType::bf16>(a, xr, n0, n1);
-  }
 }
 
 // ---- Few rows: the output's columns as lanes ----------------------------------------------
@@ -255,8 +238,7 @@ void cols_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
   const int K = a.K;
   const int G = K / a.group_size;
   const long row_bytes = long(K) * BITS / 8;
-  std::vector<uint8_t> rows;  // 16 columns' weights as bytes in input order (4-bit)
-  if constexpr (BITS == 4) rows.resize(size_t(16) * K);
+  std::vector<uint8_t> rows(size_t(16) * K);  // 4-bit columns as bytes in input order
   std::vector<uint8_t> wt(size_t(16) * K);
   std::vector<float> sv(size_t(16) * G), bv(size_t(16) * G);
   for (int n = n0; n < n1; n += 16) {
@@ -264,21 +246,7 @@ void cols_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
     for (int c = 0; c < 16; ++c) {
       const long cn = n + c < n1 ? n + c : n1 - 1;
       const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + cn * row_bytes;
-      if constexpr (BITS == 4) {
-        uint8_t* dst = rows.data() + long(c) * K;
-        const __m128i low = _mm_set1_epi8(0x0f);
-        for (long i = 0; i < row_bytes; i += 16) {
-          const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-          const __m128i lo = _mm_and_si128(p, low);
-          const __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), low);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i), _mm_unpacklo_epi8(lo, hi));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * i + 16),
-                           _mm_unpackhi_epi8(lo, hi));
-        }
-        col[c] = dst;
-      } else {
-        col[c] = src;
-      }
+      col[c] = column_bytes<BITS>(src, row_bytes, rows.data() + long(c) * K);
       for (int g = 0; g < G; ++g) {
         sv[16L * g + c] = scale_at<ST>(a.scales, cn * G + g);
         bv[16L * g + c] = scale_at<ST>(a.biases, cn * G + g);
@@ -312,12 +280,19 @@ void cols_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
   }
 }
 
+// `rows`: qmm_rows_vnni's kernel, else qmm_cols_vnni's.
+template <int BITS, ScaleType ST>
+void vnni_kernel(const QmmArgs& a, const Int8Rows& xr, int n0, int n1, bool rows) {
+  if (rows) return vnni_typed<BITS, ST>(a, xr, n0, n1);
+  cols_typed<BITS, ST>(a, xr, n0, n1);
+}
+
 template <int BITS>
-void cols_bits(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
+void vnni_bits(const QmmArgs& a, const Int8Rows& xr, int n0, int n1, bool rows) {
   switch (a.scale_type) {
-    case ScaleType::f32: return cols_typed<BITS, ScaleType::f32>(a, xr, n0, n1);
-    case ScaleType::f16: return cols_typed<BITS, ScaleType::f16>(a, xr, n0, n1);
-    case ScaleType::bf16: return cols_typed<BITS, ScaleType::bf16>(a, xr, n0, n1);
+    case ScaleType::f32: return vnni_kernel<BITS, ScaleType::f32>(a, xr, n0, n1, rows);
+    case ScaleType::f16: return vnni_kernel<BITS, ScaleType::f16>(a, xr, n0, n1, rows);
+    case ScaleType::bf16: return vnni_kernel<BITS, ScaleType::bf16>(a, xr, n0, n1, rows);
   }
 }
 
@@ -368,8 +343,8 @@ void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Ro
 }
 
 void qmm_rows_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
-  if (a.bits == 4) return vnni_bits<4>(a, xr, n0, n1);
-  return vnni_bits<8>(a, xr, n0, n1);
+  if (a.bits == 4) return vnni_bits<4>(a, xr, n0, n1, true);
+  return vnni_bits<8>(a, xr, n0, n1, true);
 }
 
 }  // namespace mlxcel_native
@@ -377,8 +352,8 @@ void qmm_rows_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
 namespace mlxcel_native {
 
 void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
-  if (a.bits == 4) return cols_bits<4>(a, xr, n0, n1);
-  return cols_bits<8>(a, xr, n0, n1);
+  if (a.bits == 4) return vnni_bits<4>(a, xr, n0, n1, false);
+  return vnni_bits<8>(a, xr, n0, n1, false);
 }
 
 }  // namespace mlxcel_native
