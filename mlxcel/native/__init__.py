@@ -87,12 +87,16 @@ _EXT, _LOAD_REASON = _load()
 
 # Int8 activations (``src/kernels_vnni.cpp``, CPUs with AVX512-VNNI): each row of x quantised
 # per 32 inputs to int8, as llama.cpp does for its quantised dot products, and multiplied
-# with the stored 4/8-bit weights in integers. ~1.4-2x the float rows kernel from 12 rows on
-# (decode batches, prompts); logits move by ~0.5% of their scale (docs/performance.md).
-#   "many-rows": from 12 rows on (the default); fewer rows keep the float kernels, faster there.
-#   "every-row": at every row count; a row's result then never depends on how many rows are
-#     beside it (the int8 kernels give a row the same bits at any count), which
-#     --batch-invariant uses.
+# with the stored 4/8-bit weights in integers: 1.2-2x the float kernels from 12 rows on
+# (decode batches, prompts); logits move by ~1e-2 (docs/performance.md).
+#   "many-rows" (the default): from 12 rows on; fewer rows compute in float32. Rounding each
+#     layer's input turns last-bit differences (a row's attention over a padded batch cache)
+#     into differences of the rounding's size, so small batches, where interactive and
+#     realtime use lives and where a seeded answer is promised its solo text beside others
+#     (docs/reference/http-api.md#seeds), keep float32's numerics.
+#   "every-row": at every row count (as fast below 12 rows: forward pass 23 ms at 1 row
+#     either way). Both int8 kernels give a row the same bits at any count, which
+#     --batch-invariant relies on (its attention is per row, so nothing else differs).
 #   "off": float32 everywhere (logits equal the float32 model's up to summation order).
 # MLXCEL_NATIVE_INT8 (off / many-rows / every-row; 0 means off) sets the default.
 INT8_MODES = ("off", "many-rows", "every-row")

@@ -215,7 +215,7 @@ def test_anthropic_any_yields_tool_use(claude: anthropic.Anthropic) -> None:
 def test_anthropic_parallel_calls_when_asked_for(claude: anthropic.Anthropic) -> None:
     """disable_parallel_tool_use sent as false opens the list form (as OpenAI's
     parallel_tool_calls: true does); unsent or true, one call."""
-    two = [{"role": "user", "content": "What is the weather in Paris and in London?"}]
+    two = [{"role": "user", "content": "What is the weather in Paris? And the weather in London?"}]
 
     def uses(choice: dict[str, Any]) -> list[Any]:
         r = claude.messages.create(

@@ -136,16 +136,21 @@ def test_lm_attention_matches_mlx_sdpa(
 
 
 def test_the_loaded_chat_model_uses_them_and_gives_the_same_logits(
-    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    default_model_dir: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     # The real default model (SmolLM2, llama): a prefill of three prompts then decode steps
     # on a KV cache (three rows), once through fast_lm and once through mlx-lm's own functions.
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxcel import native
     from mlxcel.models.loader import load_model
     from mlxcel.models.resolve import resolve_model
 
+    # Float32 matmuls: int8 activations would round each layer's input, turning the two
+    # functions' last-bit differences into differences of the rounding's size.
+    native.set_int8_activations("off")
+    request.addfinalizer(native.set_int8_activations)  # back to the default
     model = load_model(resolve_model(str(default_model_dir))).model
     assert hasattr(llama.scaled_dot_product_attention, "__wrapped__")
     assert hasattr(llama.swiglu, "__wrapped__")

@@ -17,30 +17,10 @@ namespace mlxcel_native {
 namespace {
 
 // Scales and biases of one column for up to kGroupBlock groups, widened to float32 into a
-// stack buffer: 16 at a time here, then one broadcast load per group in the tile's loop (a
-// scalar half-to-float conversion per group and column cost ~20% of a 1-row call).
+// stack buffer (widen, scales_avx512.h), then one broadcast load per group in the tile's
+// loop (a scalar half-to-float conversion per group and column cost ~20% of a 1-row call).
 constexpr int kGroupBlock = 64;
 constexpr int kPrefetchTiles = 2;
-
-template <ScaleType ST>
-inline void widen(const void* src, long offset, int count, float* dst) {
-  for (int i = 0; i < count; i += 16) {
-    const __mmask16 m = count - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (count - i)) - 1);
-    __m512 v;
-    if constexpr (ST == ScaleType::f32) {
-      v = _mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + offset + i);
-    } else {
-      const __m256i h =
-          _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src) + offset + i);
-      if constexpr (ST == ScaleType::f16) {
-        v = _mm512_cvtph_ps(h);
-      } else {
-        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      }
-    }
-    _mm512_mask_storeu_ps(dst + i, m, v);
-  }
-}
 
 // Rows [m0, m0+MR) x columns [n0, n0+NC); columns at or past n_end repeat the last valid
 // column (their sums are discarded), so a ragged last tile needs no kernel of its own.

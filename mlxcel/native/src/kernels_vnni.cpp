@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -189,45 +190,93 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// MR rows from m0 x the 16 columns whose weights wt ([K/4][16][4]), scales and biases
-// ([G][16]) are laid out; `valid` masks columns past N.
-template <int MR>
-void cols_tile(const QmmArgs& a, const Int8Rows& xr, int m0, const uint8_t* wt, const float* sv,
-               const float* bv, int n0, __mmask16 valid) {
+// The few rows' int8 x, row-major, in the order the columns kernel reads it: for 4 bits, per
+// 8 inputs the even ones then the odd ones (the low and high nibbles of a packed 32-bit word);
+// for 8 bits, as is.
+template <int BITS>
+void cols_x(const Int8Rows& xr, int M, int K, int8_t* xc) {
+  for (int m = 0; m < M; ++m) {
+    for (int k = 0; k < K; ++k) {
+      const int8_t v = xr.xq[(long(k / 4) * xr.Mp + m) * 4 + k % 4];
+      const int e = k % 8;
+      const int at = BITS == 4 ? k - e + (e % 2) * 4 + e / 2 : k;
+      xc[long(m) * K + at] = v;
+    }
+  }
+}
+
+// MR rows from m0 x 16 columns (packed weights at col[c], scales and biases [G][16] in sv, bv).
+// The weights are read as stored: per chunk, one 32-bit word per column (8 inputs at 4 bits,
+// 4 at 8 bits) for 16 words, transposed so that a vector holds one word of every column, and
+// unpacked in registers. The float operations per (row, column) are vnni_tile's, in its order.
+template <int BITS, int MR>
+void cols_tile(const QmmArgs& a, const Int8Rows& xr, const int8_t* xc, int m0,
+               const uint8_t* const* col, const float* sv, const float* bv, int n0,
+               __mmask16 valid) {
+  constexpr int kPerWord = 32 / BITS;  // inputs per 32-bit word
+  constexpr int kWordsPerBlock = 32 / kPerWord;
+  const int K = a.K;
   const int Mp = xr.Mp;
-  const int G = a.K / a.group_size;
-  const int bpg = a.group_size / 32;
+  const int gs = a.group_size;
   __m512 acc[MR];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int g = 0; g < G; ++g) {
-    const __m512 s = _mm512_loadu_ps(sv + 16L * g);
-    for (int b = 0; b < bpg; ++b) {
-      const long blk = long(g) * bpg + b;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  // The next 16 columns (contiguous after these), fetched while these are computed.
+  const long next = m0 == 0 && n0 + 32 <= a.N ? 16L * K * BITS / 8 : 0;
+  for (long k0 = 0; k0 < K; k0 += 16 * kPerWord) {
+    const int words = K - k0 >= 16 * kPerWord ? 16 : int((K - k0) / kPerWord);
+    const __mmask16 m = words == 16 ? __mmask16(0xffff) : __mmask16((1u << words) - 1);
+    __m512i w[16];
+#pragma GCC unroll 16
+    for (int c = 0; c < 16; ++c) {
+      // The next chunks' lines, 16 streams at once: more than the hardware prefetcher follows.
+      _mm_prefetch(reinterpret_cast<const char*>(col[c] + k0 * BITS / 8) + 256, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(col[c] + next + k0 * BITS / 8), _MM_HINT_T0);
+      w[c] = _mm512_maskz_loadu_epi32(m, col[c] + k0 * BITS / 8);
+    }
+    transpose16(w);
+#pragma GCC unroll 4
+    for (int b = 0; b < 16 / kWordsPerBlock; ++b) {
+      if (b * kWordsPerBlock >= words) break;
+      const long blk = k0 / 32 + b;
       __m512i ia[MR];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) ia[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-      for (int u = 0; u < 8; ++u) {
-        const long kq = blk * 8 + u;
-        const __m512i wv = _mm512_loadu_si512(wt + kq * 64);
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; ++r) {
-          const __m512i xv = _mm512_set1_epi32(load_u32(
-              reinterpret_cast<const uint8_t*>(xr.xq) + (kq * Mp + m0 + r) * 4));
-          ia[r] = _mm512_dpbusd_epi32(ia[r], wv, xv);
+      for (int j = b * kWordsPerBlock; j < (b + 1) * kWordsPerBlock; ++j) {
+        const long kx = k0 + long(j) * kPerWord;
+        if constexpr (BITS == 4) {
+          const __m512i lo = _mm512_and_si512(w[j], low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(w[j], 4), low);
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const uint8_t* xrow = reinterpret_cast<const uint8_t*>(xc) + long(m0 + r) * K + kx;
+            ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_set1_epi32(load_u32(xrow)));
+            ia[r] = _mm512_dpbusd_epi32(ia[r], hi, _mm512_set1_epi32(load_u32(xrow + 4)));
+          }
+        } else {
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const uint8_t* xrow = reinterpret_cast<const uint8_t*>(xc) + long(m0 + r) * K + kx;
+            ia[r] = _mm512_dpbusd_epi32(ia[r], w[j], _mm512_set1_epi32(load_u32(xrow)));
+          }
         }
       }
-#pragma GCC unroll 8
+      const long g = blk * 32 / gs;
+      const __m512 s = _mm512_loadu_ps(sv + 16 * g);
+#pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(xr.d[blk * Mp + m0 + r]), s);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), sd, acc[r]);
       }
+      if ((blk + 1) * 32 % gs == 0) {  // the group's last block: its biases
+        const __m512 bias = _mm512_loadu_ps(bv + 16 * g);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr.sums[g * Mp + m0 + r]), bias, acc[r]);
+      }
     }
-    const __m512 bias = _mm512_loadu_ps(bv + 16L * g);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr.sums[long(g) * Mp + m0 + r]), bias, acc[r]);
   }
   for (int r = 0; r < MR; ++r)
     _mm512_mask_storeu_ps(a.out + long(m0 + r) * a.N + n0, valid, acc[r]);
@@ -238,44 +287,46 @@ void cols_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
   const int K = a.K;
   const int G = K / a.group_size;
   const long row_bytes = long(K) * BITS / 8;
-  std::vector<uint8_t> rows(size_t(16) * K);  // 4-bit columns as bytes in input order
-  std::vector<uint8_t> wt(size_t(16) * K);
-  std::vector<float> sv(size_t(16) * G), bv(size_t(16) * G);
+  // Per thread and reused: a decode step makes ~200 of these calls, each split in tasks.
+  thread_local std::vector<int8_t> xc;
+  thread_local std::vector<float> sv, bv, sw, bw;
+  xc.resize(size_t(a.M) * K);
+  cols_x<BITS>(xr, a.M, K, xc.data());
+  sv.resize(size_t(16) * G);
+  bv.resize(size_t(16) * G);
+  const int Gp = (G + 15) / 16 * 16;  // widened per column first, then transposed
+  sw.resize(size_t(16) * Gp);
+  bw.resize(size_t(16) * Gp);
   for (int n = n0; n < n1; n += 16) {
     const uint8_t* col[16];
     for (int c = 0; c < 16; ++c) {
       const long cn = n + c < n1 ? n + c : n1 - 1;
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + cn * row_bytes;
-      col[c] = column_bytes<BITS>(src, row_bytes, rows.data() + long(c) * K);
-      for (int g = 0; g < G; ++g) {
-        sv[16L * g + c] = scale_at<ST>(a.scales, cn * G + g);
-        bv[16L * g + c] = scale_at<ST>(a.biases, cn * G + g);
-      }
+      col[c] = reinterpret_cast<const uint8_t*>(a.w) + cn * row_bytes;
+      widen<ST>(a.scales, cn * G, G, sw.data() + long(c) * Gp);
+      widen<ST>(a.biases, cn * G, G, bw.data() + long(c) * Gp);
     }
-    // K is a multiple of 32; 64 inputs (16 words a column) per transpose, then a half.
-    for (long k = 0; k < K; k += 64) {
-      const bool half = K - k < 64;
-      const __mmask16 m = half ? __mmask16(0x00ff) : __mmask16(0xffff);
-      __m512i r[16];
-      for (int c = 0; c < 16; ++c) r[c] = _mm512_maskz_loadu_epi32(m, col[c] + k);
-      transpose16(r);
-      for (int u = 0; u < (half ? 8 : 16); ++u)
-        _mm512_storeu_si512(wt.data() + (k / 4 + u) * 64, r[u]);
+    // [16 columns][G] -> [G][16 columns], 16 groups per transpose (one scalar load and
+    // conversion per scale and column cost more than the weights' own layout at 1 row).
+    for (const auto& [from, to] : {std::pair{sw.data(), sv.data()}, std::pair{bw.data(), bv.data()}}) {
+      for (int g0 = 0; g0 < G; g0 += 16) {
+        __m512i r[16];
+        for (int c = 0; c < 16; ++c)
+          r[c] = _mm512_castps_si512(_mm512_loadu_ps(from + long(c) * Gp + g0));
+        transpose16(r);
+        for (int u = 0; u < 16 && g0 + u < G; ++u)
+          _mm512_storeu_si512(to + 16L * (g0 + u), r[u]);
+      }
     }
     const __mmask16 valid = n1 - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n1 - n)) - 1);
     for (int m = 0; m < a.M;) {
-      const int left = a.M - m;
-      switch (left >= 8 ? 8 : left) {
-        case 1: cols_tile<1>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
-        case 2: cols_tile<2>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
-        case 3: cols_tile<3>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
-        case 4: cols_tile<4>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
-        case 5: cols_tile<5>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
-        case 6: cols_tile<6>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
-        case 7: cols_tile<7>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
-        default: cols_tile<8>(a, xr, m, wt.data(), sv.data(), bv.data(), n, valid); break;
+      const int rows = a.M - m >= 4 ? 4 : a.M - m;
+      switch (rows) {
+        case 1: cols_tile<BITS, 1>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
+        case 2: cols_tile<BITS, 2>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
+        case 3: cols_tile<BITS, 3>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
+        default: cols_tile<BITS, 4>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
       }
-      m += left >= 8 ? 8 : left;
+      m += rows;
     }
   }
 }

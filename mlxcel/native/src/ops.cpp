@@ -223,8 +223,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       int(w.shape(0)),
       K,
       out.data<float>()};
-  // Below kRowsKernelMin rows the float tiles are ~2x faster than the int8 kernel (which lays
-  // the weights out again at every call), so `many rows` keeps them there.
+  // `many rows` keeps the float tiles below kRowsKernelMin rows (see INT8_MODES in Python).
   const bool int8 = args.K % 32 == 0 &&
       (int8_ == int(Int8Mode::every_row) ||
        (int8_ == int(Int8Mode::many_rows) && args.M >= kRowsKernelMin));
@@ -232,9 +231,12 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     encoder.dispatch([args]() {
       if (args.N == 0 || args.M == 0) return;
       const int Mp = (args.M + 15) / 16 * 16;
-      std::vector<int8_t> xq(size_t(Mp) * args.K);
-      std::vector<float> d(size_t(Mp) * (args.K / 32));
-      std::vector<float> sums(size_t(Mp) * (args.K / args.group_size));
+      // Reused across calls on mlx's stream thread (the pool's tasks only read them).
+      thread_local std::vector<int8_t> xq;
+      thread_local std::vector<float> d, sums;
+      xq.resize(size_t(Mp) * args.K);
+      d.resize(size_t(Mp) * (args.K / 32));
+      sums.resize(size_t(Mp) * (args.K / args.group_size));
       Int8Rows xr{xq.data(), d.data(), sums.data(), Mp};
       qmm_quantize_rows_int8(args.x, args.M, args.K, args.group_size, xr);
       if (args.M >= kRowsKernelMin) {
