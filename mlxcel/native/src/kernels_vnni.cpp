@@ -53,66 +53,46 @@ const uint8_t* column_bytes(const uint8_t* src, long row_bytes, uint8_t* dst) {
   }
 }
 
-// MV vectors of 16 rows (from m0) x NC columns over all of K; wc[c] points at column c's
-// weights as bytes in input order, sb/bb at its scales and biases widened ([c * G + g]).
-template <int MV, int NC>
+// 16 rows (from m0) x NC columns over all of K; wc[c] points at column c's weights as bytes
+// in input order, sb/bb at its scales and biases widened ([c * G + g]).
+template <int NC>
 void vnni_tile(const QmmArgs& a, const Int8Rows& xr, int m0, const uint8_t* const* wc,
                const float* sb, const float* bb, int n0, int n_end) {
   const int Mp = xr.Mp;
   const int G = a.K / a.group_size;
   const int bpg = a.group_size / 32;
-  __m512 acc[MV][NC];
+  __m512 acc[NC];
 #pragma GCC unroll 16
-  for (int v = 0; v < MV; ++v)
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) acc[v][c] = _mm512_setzero_ps();
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
     for (int b = 0; b < bpg; ++b) {
       const long blk = long(g) * bpg + b;
-      __m512i ia[MV][NC];
+      __m512i ia[NC];
 #pragma GCC unroll 16
-      for (int v = 0; v < MV; ++v)
-#pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) ia[v][c] = _mm512_setzero_si512();
+      for (int c = 0; c < NC; ++c) ia[c] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
         const long kq = blk * 8 + u;  // which 4 inputs
-        __m512i xv[MV];
-#pragma GCC unroll 4
-        for (int v = 0; v < MV; ++v)
-          xv[v] = _mm512_loadu_si512(xr.xq + (kq * Mp + m0 + 16 * v) * 4);
+        const __m512i xv = _mm512_loadu_si512(xr.xq + (kq * Mp + m0) * 4);
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) {
-          const __m512i wv = _mm512_set1_epi32(load_u32(wc[c] + kq * 4));
-#pragma GCC unroll 4
-          for (int v = 0; v < MV; ++v) ia[v][c] = _mm512_dpbusd_epi32(ia[v][c], wv, xv[v]);
-        }
+        for (int c = 0; c < NC; ++c)
+          ia[c] = _mm512_dpbusd_epi32(ia[c], _mm512_set1_epi32(load_u32(wc[c] + kq * 4)), xv);
       }
-#pragma GCC unroll 4
-      for (int v = 0; v < MV; ++v) {
-        const __m512 dv = _mm512_loadu_ps(xr.d + blk * Mp + m0 + 16 * v);
+      const __m512 dv = _mm512_loadu_ps(xr.d + blk * Mp + m0);
 #pragma GCC unroll 16
-        for (int c = 0; c < NC; ++c) {
-          const __m512 sd = _mm512_mul_ps(dv, _mm512_set1_ps(sb[c * G + g]));
-          acc[v][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[v][c]), sd, acc[v][c]);
-        }
+      for (int c = 0; c < NC; ++c) {
+        const __m512 sd = _mm512_mul_ps(dv, _mm512_set1_ps(sb[c * G + g]));
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[c]), sd, acc[c]);
       }
     }
-#pragma GCC unroll 4
-    for (int v = 0; v < MV; ++v) {
-      const __m512 sv = _mm512_loadu_ps(xr.sums + long(g) * Mp + m0 + 16 * v);
+    const __m512 sv = _mm512_loadu_ps(xr.sums + long(g) * Mp + m0);
 #pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c)
-        acc[v][c] = _mm512_fmadd_ps(sv, _mm512_set1_ps(bb[c * G + g]), acc[v][c]);
-    }
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(sv, _mm512_set1_ps(bb[c * G + g]), acc[c]);
   }
   alignas(64) float lanes[16];
-  for (int v = 0; v < MV; ++v) {
-    for (int c = 0; c < NC && n0 + c < n_end; ++c) {
-      _mm512_store_ps(lanes, acc[v][c]);
-      for (int i = 0; i < 16 && m0 + 16 * v + i < a.M; ++i)
-        a.out[long(m0 + 16 * v + i) * a.N + n0 + c] = lanes[i];
-    }
+  for (int c = 0; c < NC && n0 + c < n_end; ++c) {
+    _mm512_store_ps(lanes, acc[c]);
+    for (int i = 0; i < 16 && m0 + i < a.M; ++i) a.out[long(m0 + i) * a.N + n0 + c] = lanes[i];
   }
 }
 
@@ -144,7 +124,7 @@ void vnni_block(const QmmArgs& a, const Int8Rows& xr, int n0, int n_end,
   // the block's unpacked weights (8 x K bytes) stay in L1 across the row tiles. (Measured
   // at 16 and 64 rows on SmolLM2's shapes: 2 vectors x 6 columns, 4 x 3, 1 x 10 and 1 x 12
   // were no faster, within this machine's noise.)
-  for (int m = 0; m < xr.Mp; m += 16) vnni_tile<1, NC>(a, xr, m, wc, sb, bb, n0, n_end);
+  for (int m = 0; m < xr.Mp; m += 16) vnni_tile<NC>(a, xr, m, wc, sb, bb, n0, n_end);
 }
 
 template <int BITS, ScaleType ST>
@@ -156,9 +136,9 @@ void vnni_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
 
 // ---- Few rows: the output's columns as lanes ----------------------------------------------
 // Below kRowsKernelMin rows a 16-row vector would be mostly padding, so lanes are 16 output
-// columns instead: their weights are laid out once per call as [K/4][16 columns][4 bytes] (a
-// 16 x 16 transpose of 32-bit words per 64 inputs), and each row's 4 activations are one
-// broadcast. Every (row, column) goes through the same float operations in the same order as
+// columns instead: one packed 32-bit word per column (8 inputs at 4 bits, 4 at 8 bits), 16
+// columns transposed in registers so that a vector holds the same word of each (cols_tile),
+// and each row's 4 activations are one broadcast. Every (row, column) goes through the same float operations in the same order as
 // in vnni_tile (d * s per block, then an FMA; the biases' FMA per group), and the int32 block
 // sums are exact, so a row gets the same bits from both kernels: with int8 activations a
 // row's result never depends on how many rows are beside it.
