@@ -1,4 +1,5 @@
-"""mlx-lm's attention and SwiGLU, run through ``fast_math`` when the model runs on the CPU.
+"""mlx-lm's attention and SwiGLU, run through ``fast_math`` (or, for attention, one native node)
+when the model runs on the CPU.
 
 On the CPU, ``mx.fast.scaled_dot_product_attention`` is not a fused kernel: it multiplies,
 takes a softmax with mlx's scalar ``exp`` (~18 ns per element here) and multiplies again, and
@@ -8,7 +9,12 @@ modules the loaded model uses for versions built on ``fast_math`` (through
 ``mlx_lm_compat.swap_model_functions``, with every other reach into mlx-lm); they fall back to
 mlx-lm's own functions for what they do not cover (a quantised KV cache, attention sinks, a GPU).
 
-``MLXCEL_FAST_MATH=0`` turns it all off (for comparisons).
+Where the native kernels run (``mlxcel.native``), attention is one native node instead
+(``native.attention``: one query row at a time, the keys a mask drops skipped), whatever the
+query count; ``fast_math`` and mlx-lm's function remain for what it declines.
+
+``MLXCEL_FAST_MATH=0`` turns the ``fast_math`` paths off (for comparisons), ``MLXCEL_NATIVE=0``
+the native one.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from mlxcel import native
 from mlxcel.models import fast_math, mlx_lm_compat, ragged
 from mlxcel.models.mlx_setup import mx
 
@@ -76,10 +83,29 @@ def _per_row(
     return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
 
 
+def _native_attention(
+    queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
+) -> mx.array | None:
+    """Attention as one native node (``native.attention``: 2.5-6x mlx's fallback and
+    ``fast_math.attention`` on prompts, one node instead of ~10 at a decode step), or None where
+    it does not apply. Keys a row's mask drops (a padded batch's left padding) are skipped, so
+    each row computes exactly what it would alone: batch-invariant by construction, with no
+    per-row split.
+
+    Decided per call, as the native matmuls are at load (``MLXCEL_NATIVE=0`` turns it off):
+    the swapped function is shared by every model of an mlx-lm module in the process."""
+    if sinks is not None or hasattr(cache, "bits"):
+        return None
+    if os.environ.get("MLXCEL_NATIVE", "1") == "0":
+        return None
+    return native.attention(queries, keys, values, scale=scale, mask=mask)
+
+
 def _lm_attention(original: Callable[..., mx.array], fast: bool = True) -> Callable[..., mx.array]:
     # Rows of very different lengths attend in groups (``ragged``); not under
     # --batch-invariant, whose rows each attend alone.
     grouped = fast
+    on_native = native.available()
 
     def attend(
         queries: mx.array,
@@ -110,6 +136,10 @@ def _lm_attention(original: Callable[..., mx.array], fast: bool = True) -> Calla
         mask: Any,
         sinks: Any = None,
     ) -> mx.array:
+        if on_native:
+            out = _native_attention(queries, keys, values, cache, scale, mask, sinks)
+            if out is not None:
+                return out
         # Decode steps of a padded batch cache.
         if _batch_invariant and queries.shape[2] == 1:
             pads = mlx_lm_compat.batch_left_padding(cache)
@@ -135,11 +165,17 @@ def _lm_attention(original: Callable[..., mx.array], fast: bool = True) -> Calla
     return scaled_dot_product_attention
 
 
-def _lm_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+def _lm_swiglu(original: Callable[..., mx.array], fast: bool = True) -> Callable[..., mx.array]:
+    on_native = native.available()
+
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         if gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
-        return fast_math.silu_mul(gate, x)
+        if on_native and os.environ.get("MLXCEL_NATIVE", "1") != "0":
+            out = native.silu_mul(gate, x)  # one node, ~8x fast_math's on prompts
+            if out is not None:
+                return out
+        return fast_math.silu_mul(gate, x) if fast else original(gate, x)
 
     swiglu.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps
     return swiglu
@@ -148,15 +184,16 @@ def _lm_swiglu(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
 def install(model: Any) -> list[str]:
     """Swap the attention and SwiGLU of ``model``'s mlx-lm modules; returns what was swapped.
 
+    Attention goes to the native node where the kernels run (``_native_attention``).
     Touches only modules under ``mlx_lm.models`` that the model's classes come from, and only
     names that still hold mlx-lm's own functions, so installing twice is harmless.
     """
     fast = enabled()
-    if not fast and not _batch_invariant:
+    if not fast and not _batch_invariant and not native.available():
         return []
     wraps: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
         "scaled_dot_product_attention": lambda original: _lm_attention(original, fast)
     }
-    if fast:
-        wraps["swiglu"] = _lm_swiglu
+    if fast or native.available():
+        wraps["swiglu"] = lambda original: _lm_swiglu(original, fast)
     return mlx_lm_compat.swap_model_functions(model, wraps)

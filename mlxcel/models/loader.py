@@ -141,7 +141,10 @@ def load_model(
     else:
         _cast(model, DTYPES[dtype], keep=kept)
     mx.eval(model.parameters())
-    fast_lm.install(model)  # vectorised softmax / SwiGLU on the CPU (see fast_lm)
+    if cpu and native and native_enabled():
+        native_layers.install_row_ops(model)  # RMSNorm and RoPE as one graph node each
+    # Vectorised softmax / SwiGLU on the CPU, attention as one native node (see fast_lm).
+    fast_lm.install(model)
 
     return _loaded(resolved, model, wrapper, config, dtype, native_layers=on_native)
 

@@ -1,4 +1,5 @@
-"""Fast CPU matmuls for quantised and bfloat16 weights: an mlx C++ extension (``_ext``).
+"""Fast CPU matmuls for quantised and bfloat16 weights, and RMSNorm and RoPE as one graph node
+each: an mlx C++ extension (``_ext``).
 
 mlx's CPU kernels for anything but float32 are 4-40x slower than OpenBLAS float32, so on the CPU
 mlxcel dequantises models to float32 and one decode stream reads ~4x more bytes per step than
@@ -6,6 +7,11 @@ the quantised weights hold. ``quantized_matmul`` and ``bf16_matmul`` here dequan
 the weights in registers (AVX-512) and compute in float32, with mlx's own semantics, as graph
 nodes on mlx's CPU stream; on CPUs with AVX512-VNNI, quantised weights meet activations
 quantised to int8 instead (``INT8_MODES`` below).
+
+``rms_norm`` and ``rope`` are ``mx.fast.rms_norm`` and ``mx.fast.rope`` for float32 on the CPU,
+where mlx has no kernels for them and builds ~11 and ~29 graph nodes instead; likewise
+``attention`` for ``mx.fast.scaled_dot_product_attention`` and ``silu_mul`` for SwiGLU
+(src/row_ops.h).
 
 ``available()`` says whether the extension runs here (``reason()`` says why not); when it
 does not, both functions compute the same result with mlx ops, so callers need not care. The
@@ -37,10 +43,14 @@ __all__ = [
     "ROWS_THRESHOLD",
     "available",
     "bf16_matmul",
+    "attention",
     "int8_activations",
     "quantized_matmul",
     "reason",
+    "rms_norm",
+    "rope",
     "set_int8_activations",
+    "silu_mul",
 ]
 
 # With int8 activations off: above this many rows (prefill chunks) the wrappers dequantise to
@@ -189,3 +199,98 @@ def bf16_matmul(x: mx.array, w: mx.array) -> mx.array:
         out: mx.array = _EXT.bf16_matmul(x, w)
         return out
     return x @ w.astype(mx.float32).T
+
+
+def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    """``mx.fast.rms_norm(x, w, eps)``: one native node for float32 on the CPU."""
+    if x.dtype == mx.float32 and w.dtype == mx.float32 and available():
+        assert _EXT is not None
+        out: mx.array = _EXT.rms_norm(x, w, eps)
+        return out
+    return mx.fast.rms_norm(x, w, eps)
+
+
+def rope(
+    x: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+) -> mx.array:
+    """``mx.fast.rope(...)``: one native node for float32 on the CPU (``offset`` an int, or an
+    integer array with one entry or one per batch entry)."""
+    if x.dtype == mx.float32 and x.ndim >= 3 and available():
+        assert _EXT is not None
+        off = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+        if off.dtype != mx.int32:
+            off = off.astype(mx.int32)
+        if freqs is not None and freqs.dtype != mx.float32:
+            freqs = freqs.astype(mx.float32)
+        out: mx.array = _EXT.rope(
+            x,
+            dims,
+            traditional=traditional,
+            base=1.0 if base is None else base,
+            scale=scale,
+            offset=off,
+            freqs=freqs,
+        )
+        return out
+    return mx.fast.rope(
+        x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
+    )
+
+
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    *,
+    scale: float,
+    mask: mx.array | str | None,
+) -> mx.array | None:
+    """``mx.fast.scaled_dot_product_attention`` as one native node, or None where it does not
+    apply (not float32, an unknown mask, the kernels unavailable): the caller then takes its
+    own path. ``mask``: None, ``"causal"`` (bottom-right aligned), or bool (keep) / float32
+    (added) broadcastable to ``[B, H, Lq, S]``. Keys a mask drops are skipped, so a row of a
+    left-padded batch gets exactly the bits it gets alone."""
+    causal = isinstance(mask, str)
+    if causal and mask != "causal":
+        return None
+    array_mask = None if isinstance(mask, str) else mask
+    if (
+        queries.ndim != 4
+        or keys.ndim != 4
+        or values.ndim != 4
+        or not all(a.dtype == mx.float32 for a in (queries, keys, values))
+        or (causal and queries.shape[2] > keys.shape[2])
+        or (
+            array_mask is not None
+            and (array_mask.dtype not in (mx.bool_, mx.float32) or array_mask.ndim > 4)
+        )
+        or not available()
+    ):
+        return None
+    assert _EXT is not None
+    out: mx.array = _EXT.attention(
+        queries, keys, values, scale=scale, causal=causal, mask=array_mask
+    )
+    return out
+
+
+def silu_mul(gate: mx.array, x: mx.array) -> mx.array | None:
+    """SwiGLU's ``gate * sigmoid(gate) * x`` as one native node, or None where it does not
+    apply (not float32 arrays of one shape, the kernels unavailable)."""
+    if (
+        gate.dtype != mx.float32
+        or x.dtype != mx.float32
+        or gate.shape != x.shape
+        or not available()
+    ):
+        return None
+    assert _EXT is not None
+    out: mx.array = _EXT.silu_mul(gate, x)
+    return out

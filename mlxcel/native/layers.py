@@ -12,16 +12,19 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.native import bf16_matmul, quantized_matmul
+from mlxcel.native import bf16_matmul, quantized_matmul, rms_norm, rope
 
 __all__ = [
     "NativeBf16Embedding",
     "NativeBf16Linear",
     "NativeQuantizedEmbedding",
     "NativeQuantizedLinear",
+    "NativeRMSNorm",
+    "NativeRoPE",
     "fits",
     "install",
     "install_bf16",
+    "install_row_ops",
 ]
 
 _BITS = (4, 8)
@@ -128,3 +131,41 @@ def install_bf16(model: nn.Module) -> list[str]:
             continue
         kept.append(f"{name}.weight" if name else "weight")
     return kept
+
+
+class NativeRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm as one native node (mlx builds ~11 on the CPU)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self["weight"], self.eps)
+
+
+class NativeRoPE(nn.RoPE):
+    """nn.RoPE as one native node (mlx builds ~29 on the CPU)."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        return rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+        )
+
+
+def install_row_ops(model: nn.Module) -> int:
+    """Switch ``model``'s plain nn.RMSNorm and nn.RoPE layers to their native nodes in place
+    (subclasses of them, such as a model's own norm with another formula, are left alone);
+    returns how many. Only for a model running on the CPU: the native nodes have no GPU
+    kernels, and Metal and CUDA have mlx's own."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.RMSNorm:
+            module.__class__ = NativeRMSNorm
+        elif type(module) is nn.RoPE:
+            module.__class__ = NativeRoPE
+        else:
+            continue
+        count += 1
+    return count

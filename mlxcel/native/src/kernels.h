@@ -73,4 +73,33 @@ constexpr int kVnniCols = 8;
 void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1);
 constexpr int kVnniColsSmall = 16;
 
+// ---- attention (attention_avx512.cpp) ------------------------------------------------------
+// out[b, h, i] = softmax(scale * q[b, h, i] k^T [+ mask]) v over the keys query i may see, for
+// q [B, H, Lq, D], k [B, KVH, S, D], v [B, KVH, S, Dv] (H a multiple of KVH, each KV head
+// serving H / KVH query heads), every last axis contiguous. `causal`: query i sees keys up to
+// S - Lq + i (the queries are the last Lq positions). Strides are in elements; a mask is bool
+// (keep) or additive float32, broadcast by stride 0. Keys the mask drops are skipped, not
+// weighted by zero, so a row's result does not depend on the padding that other rows'
+// lengths give a batch.
+struct AttnArgs {
+  const float* q;
+  int64_t q_sb, q_sh, q_sl;
+  const float* k;
+  int64_t k_sb, k_sh, k_ss;
+  const float* v;
+  int64_t v_sb, v_sh, v_ss;
+  const uint8_t* keep;  // bool mask or nullptr
+  const float* add;  // additive mask or nullptr
+  int64_t m_sb, m_sh, m_sl, m_ss;
+  int B, H, Lq, KVH, S, D, Dv;
+  bool causal;
+  float scale;
+  float* out;  // [B, H, Lq, Dv] row-major
+};
+// Computes query rows [r0, r1), row index (b * H + h) * Lq + i.
+void attention_avx512(const AttnArgs& a, int64_t r0, int64_t r1);
+
+// out[i] = gate[i] * sigmoid(gate[i]) * x[i] for i in [i0, i1) (SwiGLU; elementwise_avx512.cpp).
+void silu_mul_avx512(const float* gate, const float* x, float* out, int64_t i0, int64_t i1);
+
 }  // namespace mlxcel_native

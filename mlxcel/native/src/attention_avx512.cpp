@@ -1,0 +1,93 @@
+// Attention with AVX-512, one query row at a time: see AttnArgs in kernels.h.
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "math_avx512.h"
+
+namespace mlxcel_native {
+namespace {
+
+inline __mmask16 tail(int n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
+}  // namespace
+
+void attention_avx512(const AttnArgs& a, int64_t r0, int64_t r1) {
+  const int rep = a.H / a.KVH;
+  // Per thread, reused: the query scaled, the kept keys' scores and positions, the output sum.
+  thread_local std::vector<float> qs, scores, acc;
+  thread_local std::vector<int> kept;
+  qs.resize(a.D);
+  scores.resize(a.S);
+  kept.resize(a.S);
+  acc.resize(a.Dv);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t i = r % a.Lq;
+    const int64_t b = r / (int64_t(a.H) * a.Lq), h = (r / a.Lq) % a.H, g = h / rep;
+    const float* q = a.q + b * a.q_sb + h * a.q_sh + i * a.q_sl;
+    const float* k = a.k + b * a.k_sb + g * a.k_sh;
+    const float* v = a.v + b * a.v_sb + g * a.v_sh;
+    const int64_t m0 = b * a.m_sb + h * a.m_sh + i * a.m_sl;
+    const int s_end = a.causal ? int(a.S - a.Lq + i + 1) : a.S;
+    // As mlx's own: the query is scaled first, then dotted with each key.
+    for (int d = 0; d < a.D; ++d) qs[d] = a.scale * q[d];
+    int n = 0;
+    float mx = neg_inf;
+    for (int s = 0; s < s_end; ++s) {
+      float bias = 0.0f;
+      if (a.keep != nullptr && !a.keep[m0 + s * a.m_ss]) continue;
+      if (a.add != nullptr) {
+        bias = a.add[m0 + s * a.m_ss];
+        if (bias == neg_inf) continue;
+      }
+      const float* ks = k + s * a.k_ss;
+      __m512 sum = _mm512_setzero_ps();
+      for (int d = 0; d < a.D; d += 16) {
+        const __mmask16 m = tail(a.D - d);
+        sum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qs.data() + d),
+                              _mm512_maskz_loadu_ps(m, ks + d), sum);
+      }
+      const float sc = _mm512_reduce_add_ps(sum) + bias;
+      scores[n] = sc;
+      kept[n++] = s;
+      if (sc > mx) mx = sc;
+    }
+    float* out = a.out + r * a.Dv;
+    if (n == 0) {  // every key masked: mlx's softmax gives NaN; zeros are kinder and rare
+      for (int d = 0; d < a.Dv; ++d) out[d] = 0.0f;
+      continue;
+    }
+    // exp(score - max) in place, and their sum (lane-wise, then across lanes: a fixed order
+    // over the kept keys alone).
+    const __m512 vmax = _mm512_set1_ps(mx);
+    __m512 total = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n - i);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores.data() + i), vmax));
+      const __m512 e_kept = _mm512_maskz_mov_ps(m, e);
+      _mm512_mask_storeu_ps(scores.data() + i, m, e_kept);
+      total = _mm512_add_ps(total, e_kept);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(total);
+    for (int d = 0; d < a.Dv; ++d) acc[d] = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const __m512 w = _mm512_set1_ps(scores[i] * inv);
+      const float* vs = v + kept[i] * a.v_ss;
+      for (int d = 0; d < a.Dv; d += 16) {
+        const __mmask16 m = tail(a.Dv - d);
+        _mm512_mask_storeu_ps(acc.data() + d, m,
+                              _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, vs + d),
+                                              _mm512_maskz_loadu_ps(m, acc.data() + d)));
+      }
+    }
+    for (int d = 0; d < a.Dv; ++d) out[d] = acc[d];
+  }
+}
+
+}  // namespace mlxcel_native
