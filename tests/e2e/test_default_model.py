@@ -31,7 +31,11 @@ def test_embedded_default_answers_paris(smollm_server: ServerProcess) -> None:
     )
     r = client.chat.completions.create(
         model="default",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        # Not "What is the capital of France?": on this Q4_1 file that question's first token
+        # is a near-tie ("The" vs "L", 0.01-0.05 apart in log-probability, moved by int8's
+        # rounding of the prompt), and llama-server answers it "L'Etoile, la Marseillaise...".
+        # Asked this way, "The capital of France is Paris." leads by ~1.5.
+        messages=[{"role": "user", "content": "Name the capital of France."}],
         temperature=0,
         max_tokens=30,
     )

@@ -180,6 +180,26 @@ def test_prompt_attention(lq: int, s: int) -> None:
     _close(out[:, :, 2:], ref[:, :, 2:], 2e-6)
 
 
+@needs_ext
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_a_query_gets_the_same_bits_in_a_prompt_and_alone(d: int) -> None:
+    """Many query rows per KV head take the blocked path (keys transposed, 16 scored at once),
+    a decode step's one row the one-key path: both group every sum alike, so a query's
+    result is the same bits either way (a prompt's last row = the next decode step's)."""
+    mx.random.seed(8)
+    lq, s = 12, 40
+    q = mx.random.normal((1, 4, lq, d))
+    k = mx.random.normal((1, 2, s, d))
+    v = mx.random.normal((1, 2, s, d))
+    prompt = attention(q, k, v, scale=0.1, mask="causal")
+    assert prompt is not None
+    for i in range(lq):
+        end = s - lq + i + 1
+        one = attention(q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], scale=0.1, mask=None)
+        assert one is not None
+        assert mx.array_equal(one, prompt[:, :, i : i + 1]).item(), i
+
+
 def test_attention_declines_what_it_does_not_do() -> None:
     q, k, v = (mx.zeros((1, 4, 2, 64)), mx.zeros((1, 4, 8, 64)), mx.zeros((1, 4, 8, 64)))
     assert attention(q, k, v, scale=1.0, mask="sliding") is None  # not a mask it knows

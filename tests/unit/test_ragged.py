@@ -114,6 +114,9 @@ def test_the_model_says_the_same_with_and_without_groups(
     inserts.append(
         InsertSequence("long", tuple(range(100, 900)), 24, greedy, logprobs=1, ignore_eos=True)
     )
+    # Grouping is the path where the native attention node does not run (it skips padded keys
+    # by itself): off here, then compared with the native path at the end.
+    monkeypatch.setenv("MLXCEL_NATIVE", "0")
     calls = []
     real = ragged.attend_grouped
     monkeypatch.setattr(
@@ -127,5 +130,11 @@ def test_the_model_says_the_same_with_and_without_groups(
     assert not calls
     assert set(grouped) == {f"s{i}" for i in range(5)} | {"long"}
     for rid, said in padded.items():
+        assert [t for t, _ in grouped[rid]] == [t for t, _ in said], rid
+        assert np.allclose([lp for _, lp in grouped[rid]], [lp for _, lp in said], atol=1e-4)
+    monkeypatch.delenv("MLXCEL_NATIVE")
+    native = _tokens(loaded, inserts)
+    assert not calls
+    for rid, said in native.items():
         assert [t for t, _ in grouped[rid]] == [t for t, _ in said], rid
         assert np.allclose([lp for _, lp in grouped[rid]], [lp for _, lp in said], atol=1e-4)

@@ -29,9 +29,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import llama_server  # noqa: E402  (beside this script)
-import sized_models  # noqa: E402
-from serving import Server, ours  # noqa: E402
+import llama_server  # noqa: E402 - beside this script, found through the sys.path line above
+import sized_models  # noqa: E402 - likewise
+from serving import Server, ours  # noqa: E402 - likewise
 
 
 def llama_bench(gguf: Path, lengths: list[int], runs: int) -> dict[int, float]:
