@@ -74,7 +74,9 @@ def wait_until_healthy(base_url: str, exited: Callable[[], bool], timeout: float
 class ServerProcess:
     """`mlxcel serve` in a child process, as a user starts it."""
 
-    def __init__(self, args: list[str], *, timeout: float = 180.0) -> None:
+    def __init__(
+        self, args: list[str], *, timeout: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlxcel-test-{self.port}.log"
@@ -84,6 +86,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            env=None if env is None else {**os.environ, **env},
         )
         why = wait_until_healthy(self.base_url, lambda: self.proc.poll() is not None, timeout)
         if why is not None:
@@ -105,6 +108,13 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return int(self.proc.returncode)
+
+
+# The generation paths a server can take on the CPU: with mlxcel's native kernels (the default
+# on AVX-512 Linux), and without them ("portable": mlx's own ops, the path Apple silicon and
+# other CPUs take). Tests of generation that matter most (chat, batching and seeds,
+# speculation, cancellation) run their server once per path (issue 37).
+KERNEL_PATHS = {"native": None, "portable": {"MLXCEL_NATIVE": "0"}}
 
 
 @pytest.fixture(scope="module")

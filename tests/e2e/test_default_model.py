@@ -10,13 +10,14 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import KERNEL_PATHS, ServerProcess
 
 
-@pytest.fixture(scope="module")
-def smollm_server() -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=sorted(KERNEL_PATHS))
+def smollm_server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     server = ServerProcess(
-        ["--parallel", "1", "--prefill-chunk-size", "64", "-c", "8192", "--metrics"]
+        ["--parallel", "1", "--prefill-chunk-size", "64", "-c", "8192", "--metrics"],
+        env=KERNEL_PATHS[request.param],
     )
     yield server
     server.stop()

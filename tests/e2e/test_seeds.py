@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import KERNEL_PATHS, ServerProcess
 
 # Seed and prompt pairs whose text changed with the batch before the top-k candidates were put
 # in token-id order (tests/unit/test_sampler_chain.py has the mechanism).
@@ -19,9 +19,9 @@ FOOD = (1238, "What is your favourite food?")
 DRAGON = (1239, "Tell me about a dragon.")
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
-    server = ServerProcess(["--parallel", "8"])
+@pytest.fixture(scope="module", params=sorted(KERNEL_PATHS))
+def client(request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
+    server = ServerProcess(["--parallel", "8"], env=KERNEL_PATHS[request.param])
     with openai.OpenAI(
         base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300
     ) as c:

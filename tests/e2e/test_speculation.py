@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import KERNEL_PATHS, ServerProcess
 from tests.support.metrics import sample, wait_for
 
 PASSAGE = (
@@ -25,11 +25,12 @@ PASSAGE = (
 COPY = f"Repeat this text exactly, word for word:\n\n{PASSAGE}"
 
 
-@pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    on = ServerProcess(["--parallel", "4", "--metrics"])
+@pytest.fixture(scope="module", params=sorted(KERNEL_PATHS))
+def servers(request: pytest.FixtureRequest) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    env = KERNEL_PATHS[request.param]
+    on = ServerProcess(["--parallel", "4", "--metrics"], env=env)
     try:
-        off = ServerProcess(["--parallel", "4", "--no-spec-ngram"])
+        off = ServerProcess(["--parallel", "4", "--no-spec-ngram"], env=env)
     except BaseException:
         on.stop()
         raise
