@@ -115,6 +115,7 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.ar
         (2, 16, 2, 17, 128),
         (1, 4, 4, 1, 80),
         (2, 8, 8, 700, 64),
+        (1, 4, 2, 50, 192),  # wider than the 8 registers the value sum is held in
     ],
 )
 def test_attention(b: int, h: int, kv: int, s: int, d: int) -> None:
@@ -181,7 +182,7 @@ def test_prompt_attention(lq: int, s: int) -> None:
 
 
 @needs_ext
-@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("d", [64, 80, 128, 192])
 def test_a_query_gets_the_same_bits_in_a_prompt_and_alone(d: int) -> None:
     """Many query rows per KV head take the blocked path (keys transposed, 16 scored at once),
     a decode step's one row the one-key path: both group every sum alike, so a query's

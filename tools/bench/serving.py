@@ -668,8 +668,8 @@ def report(levels, res_ours, res_mlx, res_raw, tokens, res_llama=None) -> tuple[
         f"benchmark during the level (machine has {os.cpu_count()}); much above 0 means the "
         "numbers are disturbed."
         + (
-            " llama = llama.cpp's llama-server on the Q4_1 GGUF (its own kernels, weights as "
-            "stored); TTFT ours/llama below 1 means mlxcel answers first."
+            " llama = llama.cpp's llama-server on the GGUF named above (its own kernels, "
+            "weights as stored); TTFT ours/llama below 1 means mlxcel answers first."
             if ll
             else ""
         ),

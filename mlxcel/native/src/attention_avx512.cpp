@@ -41,6 +41,41 @@ inline float score1(const float* qs, const float* ks, int D) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// out[0, Dv) = sum_i w[i] * inv * v[kept[i]] with the sums held in NV registers (Dv <= 16 NV):
+// each element adds its terms in key order, as the memory-held sum below does (same bits),
+// without a store and reload per key (that chain, not the arithmetic, bounded it).
+template <int NV>
+void weighted_sum_regs(const float* w, const int* kept, int n, float inv, const float* v,
+                       int64_t v_ss, int Dv, float* out) {
+  __m512 acc[NV];
+  __mmask16 m[NV];
+  for (int c = 0; c < NV; ++c) {
+    acc[c] = _mm512_setzero_ps();
+    m[c] = tail(Dv - 16 * c);
+  }
+  for (int i = 0; i < n; ++i) {
+    const __m512 wi = _mm512_set1_ps(w[i] * inv);
+    const float* vs = v + kept[i] * v_ss;
+    for (int c = 0; c < NV; ++c)
+      acc[c] = _mm512_fmadd_ps(wi, _mm512_maskz_loadu_ps(m[c], vs + 16 * c), acc[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(out + 16 * c, m[c], acc[c]);
+}
+
+using RegSum = void (*)(const float*, const int*, int, float, const float*, int64_t, int, float*);
+constexpr int kMaxRegSums = 8;  // head dims up to 128 (8 of the 32 vector registers)
+constexpr RegSum kRegSums[kMaxRegSums + 1] = {
+    nullptr,
+    weighted_sum_regs<1>,
+    weighted_sum_regs<2>,
+    weighted_sum_regs<3>,
+    weighted_sum_regs<4>,
+    weighted_sum_regs<5>,
+    weighted_sum_regs<6>,
+    weighted_sum_regs<7>,
+    weighted_sum_regs<8>,
+};
+
 }  // namespace
 
 void attention_avx512(const AttnArgs& a, int64_t r0, int64_t r1) {
@@ -130,6 +165,12 @@ void attention_avx512(const AttnArgs& a, int64_t r0, int64_t r1) {
       total = _mm512_add_ps(total, e_kept);
     }
     const float inv = 1.0f / _mm512_reduce_add_ps(total);
+    const int nv = (a.Dv + 15) / 16;
+    if (nv <= kMaxRegSums) {
+      kRegSums[nv](scores.data(), kept.data(), n, inv, v, a.v_ss, a.Dv, out);
+      continue;
+    }
+    // Wider heads: the sum in memory.
     for (int d = 0; d < a.Dv; ++d) acc[d] = 0.0f;
     for (int i = 0; i < n; ++i) {
       const __m512 w = _mm512_set1_ps(scores[i] * inv);
