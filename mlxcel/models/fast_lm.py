@@ -83,6 +83,11 @@ def _per_row(
     return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
 
 
+def _native_wanted() -> bool:
+    """``MLXCEL_NATIVE=0`` turns the native nodes off; read per call (see _native_attention)."""
+    return os.environ.get("MLXCEL_NATIVE", "1") != "0"
+
+
 def _native_attention(
     queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any, sinks: Any
 ) -> mx.array | None:
@@ -96,7 +101,7 @@ def _native_attention(
     the swapped function is shared by every model of an mlx-lm module in the process."""
     if sinks is not None or hasattr(cache, "bits"):
         return None
-    if os.environ.get("MLXCEL_NATIVE", "1") == "0":
+    if not _native_wanted():
         return None
     return native.attention(queries, keys, values, scale=scale, mask=mask)
 
@@ -171,7 +176,7 @@ def _lm_swiglu(original: Callable[..., mx.array], fast: bool = True) -> Callable
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
         if gate.dtype != mx.float32 or x.dtype != mx.float32:
             return original(gate, x)
-        if on_native and os.environ.get("MLXCEL_NATIVE", "1") != "0":
+        if on_native and _native_wanted():
             out = native.silu_mul(gate, x)  # one node, ~8x fast_math's on prompts
             if out is not None:
                 return out
