@@ -162,7 +162,7 @@ def test_cancel_an_in_flight_stream(server: ServerProcess) -> None:
 
     def consume() -> None:
         with client.responses.stream(
-            model="default", input="Go on forever.", max_output_tokens=100_000
+            model="default", input="Go on forever.", max_output_tokens=100_000, temperature=0
         ) as stream:
             for e in stream:
                 events.append(e)
@@ -220,7 +220,11 @@ def test_a_background_response_is_polled_to_its_end(server: ServerProcess) -> No
 def test_a_background_response_is_cancelled(server: ServerProcess) -> None:
     client = sdk(server)
     r = client.responses.create(
-        model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+        model="default",
+        input="Go on forever.",
+        background=True,
+        max_output_tokens=100_000,
+        temperature=0,  # greedy never samples EOS on this model; sampling might
     )
     _wait_running(client, r.id)
     cancelled = client.responses.cancel(r.id)
@@ -269,7 +273,11 @@ def test_a_background_stream_outlives_its_client_and_resumes(server: ServerProce
 def test_deleting_a_running_background_response_stops_it(server: ServerProcess) -> None:
     client = sdk(server)
     r = client.responses.create(
-        model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+        model="default",
+        input="Go on forever.",
+        background=True,
+        max_output_tokens=100_000,
+        temperature=0,  # greedy never samples EOS on this model; sampling might
     )
     _wait_running(client, r.id)
     client.responses.delete(r.id)
@@ -320,7 +328,11 @@ def test_a_shutdown_ends_and_stores_a_background_response(
     try:
         client = sdk(first)
         r = client.responses.create(
-            model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+            model="default",
+            input="Go on forever.",
+            background=True,
+            max_output_tokens=100_000,
+            temperature=0,  # greedy never samples EOS on this model; sampling might
         )
         _wait_running(client, r.id)
     finally:

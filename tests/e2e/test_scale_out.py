@@ -130,7 +130,7 @@ def stream_until_started(base_url: str, events: list[Any]) -> tuple[threading.Th
     def consume() -> None:
         try:
             with sdk(base_url).responses.stream(
-                model="default", input="Go on forever.", max_output_tokens=100_000
+                model="default", input="Go on forever.", max_output_tokens=100_000, temperature=0
             ) as stream:
                 for e in stream:
                     events.append(e)
@@ -244,7 +244,11 @@ def test_a_background_response_on_one_replica_is_cancelled_through_the_other(
 ) -> None:
     a, b = sdk(cluster.a.base_url), sdk(cluster.b.base_url)
     r = a.responses.create(
-        model="default", input="Go on forever.", background=True, max_output_tokens=100_000
+        model="default",
+        input="Go on forever.",
+        background=True,
+        max_output_tokens=100_000,
+        temperature=0,  # greedy never samples EOS on this model; sampling might
     )
     assert r.status == "queued"
     deadline = time.monotonic() + 60
