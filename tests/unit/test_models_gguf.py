@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from mlxcel.models.default import default_gguf_path
-from mlxcel.models.gguf import _unpermute, convert_gguf
+from mlxcel.models.gguf import convert_gguf
+from mlxcel.models.gguf_arch import unpermute as _unpermute
 from mlxcel.models.loader import LoadedModel, load_model
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel, resolve_model
