@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel.models.errors import UnsupportedModel
-from mlxcel.models.gguf_arch import config_from_metadata, hf_name, unpermute
+from mlxcel.models.gguf_arch import config_from_metadata, convert_tensor
 from mlxcel.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 from mlxcel.models.mlx_setup import mx
 
@@ -38,12 +38,9 @@ def _convert_weights(
 ) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
     weights: dict[str, mx.array] = {}
     for name, array in raw.items():
-        hf = hf_name(name)
-        if ".attn_q." in name:
-            array = unpermute(array, config["num_attention_heads"])
-        elif ".attn_k." in name:
-            array = unpermute(array, config["num_key_value_heads"])
-        weights[hf] = array
+        converted = convert_tensor(name, array, config)
+        if converted is not None:
+            weights[converted[0]] = converted[1]
 
     quantized = sorted(n[: -len(".scales")] for n in weights if n.endswith(".scales"))
     if keep_quantized:

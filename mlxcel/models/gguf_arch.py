@@ -15,7 +15,7 @@ from mlxcel.models.gguf_meta import require as _require
 from mlxcel.models.gguf_meta import value as _value
 from mlxcel.models.mlx_setup import mx
 
-__all__ = ["config_from_metadata", "hf_name", "unpermute"]
+__all__ = ["config_from_metadata", "convert_tensor", "hf_name", "unpermute"]
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -92,3 +92,16 @@ def unpermute(rows: mx.array, n_head: int) -> mx.array:
     return (
         rows.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
     )
+
+
+def convert_tensor(
+    name: str, array: mx.array, config: dict[str, Any]
+) -> tuple[str, mx.array] | None:
+    """A GGUF tensor (or the ``.scales``/``.biases`` of a quantised one) as the HF name and
+    array mlx-lm's model takes, or None for a tensor the model does not take. Transforms
+    are row-wise, so a quantised tensor's three parts stay consistent."""
+    if ".attn_q." in name:
+        array = unpermute(array, config["num_attention_heads"])
+    elif ".attn_k." in name:
+        array = unpermute(array, config["num_key_value_heads"])
+    return hf_name(name), array
