@@ -1,12 +1,12 @@
-"""Convert a llama-architecture GGUF file into an MLX model folder.
+"""Convert a GGUF file into an MLX model folder.
 
 The folder holds ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` and ``generation_config.json``, so
 ``mlx_lm.utils.load(folder)`` and ``transformers.AutoTokenizer`` read it
-directly. ``mx.load`` already decodes GGUF: Q4_0/Q4_1/Q8_0 tensors come back
-as MLX affine triplets (``x.weight``, ``x.scales``, ``x.biases``, group 32).
-What is left is naming, undoing llama.cpp's q/k row permutation, the config,
-and rebuilding the tokenizer from the vocabulary in the metadata.
+directly. ``gguf_read`` decodes the file (quantised tensors as MLX affine
+triplets ``x.weight``, ``x.scales``, ``x.biases``, group 32); ``gguf_arch`` names
+the tensors and builds the config; ``gguf_tokenizer`` rebuilds the tokenizer from
+the vocabulary in the metadata.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.gguf_arch import config_from_metadata, convert_tensor
+from mlxcel.models.gguf_read import GROUP_SIZE, read_gguf
 from mlxcel.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 from mlxcel.models.mlx_setup import mx
 
 __all__ = ["GROUP_SIZE", "convert_gguf"]
-
-# mx.load unpacks every GGUF block format it supports with 32-value groups.
-GROUP_SIZE = 32
 
 
 def _quant_params(weights: dict[str, mx.array], name: str) -> tuple[int, int]:
@@ -80,9 +77,8 @@ def convert_gguf(gguf_path: Path, dest: Path, *, keep_quantized: bool = False) -
     here); ``keep_quantized=True`` writes the affine triplets and the
     ``quantization`` config block instead, losslessly and ~5x smaller.
     """
-    raw, md = mx.load(str(gguf_path), return_metadata=True)
-    if not isinstance(raw, dict) or not isinstance(md, dict):
-        raise UnsupportedModel(f"{gguf_path} did not load as a GGUF file")
+    gguf = read_gguf(gguf_path)
+    raw, md = gguf.tensors, gguf.metadata
     config = config_from_metadata(md, tied="output.weight" not in raw)
     weights, quantization = _convert_weights(raw, config, keep_quantized=keep_quantized)
     if quantization is not None:

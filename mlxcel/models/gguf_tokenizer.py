@@ -30,12 +30,12 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def _token_types(md: dict[str, Any], n_tokens: int) -> list[int]:
-    types = md.get("tokenizer.ggml.token_type")
-    if not isinstance(types, mx.array):
+    types: Any = md.get("tokenizer.ggml.token_type")
+    if types is None:
         return [1] * n_tokens  # NORMAL: no added or special tokens known
-    kinds = types.reshape(-1).tolist()
-    assert isinstance(kinds, list)
-    return [int(k) for k in kinds]  # type: ignore[arg-type]  # mlx types tolist() loosely
+    if isinstance(types, mx.array):  # metadata as mx.load gives it
+        types = types.reshape(-1).tolist()
+    return [int(k) for k in types]
 
 
 def build_tokenizer(md: dict[str, Any]) -> Any:
