@@ -73,7 +73,10 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedMo
         return ResolvedModel(path=folder, model_id=path.stem, source="gguf")
     if _looks_like_path(spec):
         raise ModelNotFound(f"model path {spec!r} does not exist")
-    return ResolvedModel(path=_download(spec), model_id=spec, source="hub")
+    hub = _hub_model(spec)
+    if hub.suffix == ".gguf":
+        hub = _cached_conversion(hub.resolve(), cache)
+    return ResolvedModel(path=hub, model_id=spec, source="hub")
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -83,6 +86,7 @@ def _looks_like_path(spec: str) -> bool:
         spec.startswith(("/", ".", "~"))
         or spec.lower().endswith(".gguf")
         or spec.count("/") > 1
+        or spec.count(":") > 1
         or (os.sep != "/" and os.sep in spec)
     )
 
@@ -192,15 +196,101 @@ def _why(exc: BaseException) -> str:
 
 
 def download_repo(repo_id: str) -> Path:
-    """``mlxcel download``: the repo's folder in the hub cache, fetched when it is not there
-    (``ModelNotFound`` with one line saying why when it cannot be had)."""
+    """``mlxcel download``: the repo's folder in the hub cache, or for a GGUF repository the
+    chosen .gguf file, fetched when it is not there (``ModelNotFound`` with one line saying
+    why when it cannot be had)."""
     if not _REPO_ID.fullmatch(repo_id):
-        raise ModelNotFound(f"{repo_id!r} is not a hub repo id (owner/name)")
-    return _download(repo_id)
+        raise ModelNotFound(f"{repo_id!r} is not a hub repo id (owner/name or owner/name:QUANT)")
+    return _hub_model(repo_id)
 
 
-# owner/name, as the hub spells repo ids.
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+# owner/name, as the hub spells repo ids, and llama-server's -hf quant tag (owner/name:Q4_K_M).
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(:[A-Za-z0-9_.-]+)?")
+# The file a GGUF repository gives without a tag: llama-server's default, then the commonest.
+_DEFAULT_TAGS = ("Q4_K_M", "Q4_0", "Q8_0")
+
+
+def _hub_model(spec: str) -> Path:
+    """An MLX folder, or for a GGUF repository (a tag given, or no config.json in the repo)
+    the .gguf file the tag names."""
+    repo_id, _, tag = spec.partition(":")
+    if tag:
+        return _download_gguf(repo_id, tag)
+    folder = _download(repo_id)
+    if (folder / "config.json").is_file():
+        return folder
+    return _download_gguf(repo_id, None)
+
+
+def _tag_of(name: str, tag: str) -> bool:
+    """Whether file ``name`` is the ``tag`` quantisation (case-insensitive, whole word:
+    Q4_K is not Q4_K_M)."""
+    return re.search(rf"(?<![A-Za-z0-9_]){re.escape(tag)}(?![A-Za-z0-9_])", name, re.I) is not None
+
+
+# A split GGUF's parts: name-00001-of-00003.gguf.
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
+
+
+def _choose_gguf(repo_id: str, files: list[str], tag: str | None) -> str:
+    ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in f.lower()]
+    if not ggufs:
+        raise ModelNotFound(f"hub repo {repo_id!r} has neither an MLX model nor a .gguf file")
+    tags = [tag] if tag is not None else [*_DEFAULT_TAGS]
+    for wanted in tags:
+        found = sorted(f for f in ggufs if _tag_of(Path(f).name, wanted))
+        if found:
+            break
+    else:
+        if tag is None and len(ggufs) == 1:
+            return ggufs[0]
+        names = ", ".join(sorted(Path(f).name for f in ggufs))
+        asked = f"no {tag} file" if tag else f"none of {', '.join(_DEFAULT_TAGS)}; name one"
+        raise ModelNotFound(f"hub repo {repo_id!r} has {asked} (it has: {names})")
+    split = _SPLIT.search(found[0])
+    if split:
+        raise ModelNotFound(
+            f"{found[0]!r} in {repo_id!r} is one of {int(split.group(2))} parts of a split GGUF, "
+            "which is not served yet: merge it with llama.cpp's "
+            "`llama-gguf-split --merge` and serve the file"
+        )
+    return found[0]
+
+
+def _download_gguf(repo_id: str, tag: str | None) -> Path:
+    """The .gguf file of ``repo_id`` that ``tag`` names (None: the default choice), from the
+    hub cache or fetched alone (a GGUF repository holds one file per quantisation)."""
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+    offline = _hub_offline()
+    try:
+        if offline:
+            cached = Path(
+                snapshot_download(repo_id, allow_patterns=["*.gguf"], local_files_only=True)
+            )
+            files = [str(p.relative_to(cached)) for p in cached.rglob("*.gguf")]
+        else:
+            files = HfApi().list_repo_files(repo_id)
+    except Exception as exc:  # as in _download: whatever it is, the repo cannot be had
+        raise _not_found(repo_id, offline, exc) from exc
+    name = _choose_gguf(repo_id, files, tag)
+    try:
+        return Path(hf_hub_download(repo_id, name, local_files_only=offline))
+    except Exception as exc:
+        raise _not_found(f"{repo_id}/{name}", offline, exc) from exc
+
+
+def _not_found(what: str, offline: bool, exc: BaseException) -> ModelNotFound:
+    if offline:
+        where = (
+            "the Hugging Face hub is offline (HF_HUB_OFFLINE=1) "
+            "and it is not in the local hub cache"
+        )
+    else:
+        where = f"the Hugging Face hub could not provide it ({_why(exc)})"
+    return ModelNotFound(
+        f"model {what!r} not found: it is not a local folder or .gguf file, and {where}"
+    )
 
 
 def _download(repo_id: str) -> Path:
@@ -228,14 +318,5 @@ def _download(repo_id: str) -> Path:
     # errors alike; whichever it is, the model cannot be had. BaseException
     # (cancellation, KeyboardInterrupt) still propagates.
     except Exception as exc:
-        if offline:
-            where = (
-                "the Hugging Face hub is offline (HF_HUB_OFFLINE=1) "
-                "and it is not in the local hub cache"
-            )
-        else:
-            where = f"the Hugging Face hub could not provide it ({_why(exc)})"
-        raise ModelNotFound(
-            f"model {repo_id!r} not found: it is not a local folder or .gguf file, and {where}"
-        ) from exc
+        raise _not_found(repo_id, offline, exc) from exc
     return Path(folder)

@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
+from mlxcel.models.default import default_gguf_path
+from mlxcel.models.errors import ModelNotFound
+from mlxcel.models.resolve import _choose_gguf
 from tests.conftest import REPO, ServerProcess, free_port
 
 
@@ -93,3 +97,58 @@ def test_serve_offline_without_the_repo_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in p.stderr
     assert "not in the local hub cache" in p.stderr
     assert p.returncode != 0
+
+
+def cached_gguf_repo(hub: Path, repo: str, names: list[str]) -> Path:
+    """A GGUF repository in the hub cache: each name a link to the packaged SmolLM2 GGUF."""
+    owner, name = repo.split("/")
+    root = hub / f"models--{owner}--{name}"
+    snapshot = root / "snapshots" / ("1" * 40)
+    snapshot.mkdir(parents=True)
+    for file in names:
+        (snapshot / file).symlink_to(default_gguf_path())
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("1" * 40)
+    return snapshot
+
+
+GGUF_FILES = ["smol-Q4_K_M.gguf", "smol-Q4_K_S.gguf", "smol-q8_0.gguf", "mmproj-smol-f16.gguf"]
+
+
+def test_a_quant_tag_picks_the_gguf_file_as_llama_server_does(tmp_path: Path) -> None:
+    snapshot = cached_gguf_repo(tmp_path, "someone/smol-GGUF", GGUF_FILES)
+    tagged = mlxcel("download", "--offline", "someone/smol-GGUF:Q8_0", hub=tmp_path)
+    assert tagged.returncode == 0, tagged.stderr
+    assert Path(tagged.stdout.strip()) == snapshot / "smol-q8_0.gguf"  # case-insensitive
+    untagged = mlxcel("download", "--offline", "someone/smol-GGUF", hub=tmp_path)
+    assert untagged.returncode == 0, untagged.stderr
+    assert Path(untagged.stdout.strip()) == snapshot / "smol-Q4_K_M.gguf"  # llama's default
+    line = one_line_error(mlxcel("download", "--offline", "someone/smol-GGUF:Q4_K", hub=tmp_path))
+    # Q4_K is not Q4_K_M: the whole tag must match, and the error lists what there is
+    assert "no Q4_K file" in line and "smol-Q4_K_M.gguf" in line and "smol-q8_0.gguf" in line
+
+
+def test_a_tagged_gguf_repo_is_served(tmp_path: Path) -> None:
+    cached_gguf_repo(tmp_path, "someone/smol-GGUF", GGUF_FILES)
+    os.environ["HF_HUB_CACHE"] = str(tmp_path)
+    try:
+        server = ServerProcess(["-m", "someone/smol-GGUF:Q4_K_M", "--offline", "--no-warmup"])
+    finally:
+        del os.environ["HF_HUB_CACHE"]
+    try:
+        models = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()
+        assert models["data"][0]["id"] == "someone/smol-GGUF:Q4_K_M"
+        r = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+
+
+def test_a_split_gguf_is_refused_with_what_to_do() -> None:
+    files = ["big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"]
+    with pytest.raises(ModelNotFound, match="one of 2 parts of a split GGUF.*llama-gguf-split"):
+        _choose_gguf("someone/big-GGUF", files, "Q4_K_M")
