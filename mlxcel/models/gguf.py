@@ -83,7 +83,9 @@ def convert_gguf(gguf_path: Path, dest: Path, *, keep_quantized: bool = False) -
     raw, md = mx.load(str(gguf_path), return_metadata=True)
     if not isinstance(raw, dict) or not isinstance(md, dict):
         raise UnsupportedModel(f"{gguf_path} did not load as a GGUF file")
-    config = config_from_metadata(md, tied="output.weight" not in raw)
+    config = config_from_metadata(
+        md, tied="output.weight" not in raw, rope_freqs=raw.get("rope_freqs.weight")
+    )
     weights, quantization = _convert_weights(raw, config, keep_quantized=keep_quantized)
     if quantization is not None:
         config["quantization"] = quantization
