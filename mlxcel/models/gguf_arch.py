@@ -156,7 +156,8 @@ def _rope_scaling(
     if kind in (None, "none"):
         if rope_freqs is None:
             return None
-        divisors = [float(f) for f in rope_freqs.astype(mx.float32).reshape(-1).tolist()]
+        listed: Any = rope_freqs.astype(mx.float32).reshape(-1).tolist()
+        divisors = [float(f) for f in listed]
         # SuScaledRoPE divides each frequency by its factor, as llama.cpp does with
         # rope_freqs; equal original and maximum context keep its attention scale at 1.
         return {

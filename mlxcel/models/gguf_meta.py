@@ -38,11 +38,12 @@ def _items(md: dict[str, Any], key: str) -> list[Any] | None:
     found = md.get(key)
     if found is None:
         return None
+    items: Any = found
     if isinstance(found, mx.array):  # metadata as mx.load gives it
-        found = found.reshape(-1).tolist()
+        items = found.reshape(-1).tolist()
     elif hasattr(found, "tolist"):  # a numpy array
-        found = found.tolist()
-    return list(found)
+        items = found.tolist()
+    return list(items)
 
 
 def ints(md: dict[str, Any], key: str) -> list[int] | None:

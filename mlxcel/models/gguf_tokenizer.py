@@ -75,9 +75,7 @@ _PRE: dict[str, tuple[tuple[str, ...], dict[str, bool]]] = {
     **_group("qwen2 deepseek-r1-qwen kormo megrez stablelm2 hunyuan", (_QWEN2,)),
     **_group("tekken", (_TEKKEN,), ignore_merges=True, add_bos=True),
     **_group("gpt-2 phi-2 mpt olmo jais trillion exaone4 mellum", (_GPT2,)),
-    **_group(
-        "starcoder refact command-r smollm codeshell exaone minerva-7b", (r"\p{N}", _GPT2)
-    ),
+    **_group("starcoder refact command-r smollm codeshell exaone minerva-7b", (r"\p{N}", _GPT2)),
     **_group("gpt-4o llama4 minimax-m2", (_GPT4O,)),
 }
 SERVED_PRE_TOKENIZERS = tuple(sorted(_PRE))
@@ -148,7 +146,7 @@ def build_tokenizer(md: dict[str, Any]) -> Any:
     ]
     tok.add_tokens(added)
 
-    steps = [processors.ByteLevel(trim_offsets=False)] if kind == "gpt2" else []
+    steps: list[Any] = [processors.ByteLevel(trim_offsets=False)] if kind == "gpt2" else []
     bos_id = _value(md, "tokenizer.ggml.bos_token_id")
     if add_bos(md) and bos_id is not None:
         bos = tokens[int(bos_id)]

@@ -91,7 +91,7 @@ def _spm_vocab(gemma: bool) -> dict[str, Any]:
         rank += 1
     # SentencePiece keeps every character of its pieces as a piece of its own (llama.cpp
     # merges symbols that are not tokens, the tokenizers library cannot).
-    for char in sorted({c for t, k in zip(tokens, types) if k == 1 for c in t} - seen):
+    for char in sorted({c for t, k in zip(tokens, types, strict=True) if k == 1 for c in t} - seen):
         tokens.append(char)
         types.append(1)
         scores.append(-float(rank))
@@ -307,10 +307,19 @@ def _phi3(w: Any, t: _Tensors) -> None:
 
 # name -> (general.architecture, writer of the keys and tensors)
 MODELS: dict[str, tuple[str, Callable[[Any, _Tensors], None]]] = {
-    "llama3": ("llama", functools.partial(_llama, vocab_kind="bpe", pre="llama-bpe", rope="llama3")),
-    "llama-linear": ("llama", functools.partial(_llama, vocab_kind="bpe", pre="smaug-bpe", rope="linear")),
+    "llama3": (
+        "llama",
+        functools.partial(_llama, vocab_kind="bpe", pre="llama-bpe", rope="llama3"),
+    ),
+    "llama-linear": (
+        "llama",
+        functools.partial(_llama, vocab_kind="bpe", pre="smaug-bpe", rope="linear"),
+    ),
     "mistral": ("llama", functools.partial(_llama, vocab_kind="spm", pre=None, rope=None)),
-    "mistral-tekken": ("llama", functools.partial(_llama, vocab_kind="bpe", pre="tekken", rope=None)),
+    "mistral-tekken": (
+        "llama",
+        functools.partial(_llama, vocab_kind="bpe", pre="tekken", rope=None),
+    ),
     "qwen2": ("qwen2", functools.partial(_qwen, arch="qwen2")),
     "qwen2-yarn": ("qwen2", functools.partial(_qwen, arch="qwen2", rope="yarn")),
     "qwen3": ("qwen3", functools.partial(_qwen, arch="qwen3")),

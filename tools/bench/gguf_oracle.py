@@ -116,11 +116,26 @@ def ask(gguf: Path) -> dict[str, Any]:
     return {"tokenize": tokens, "prompt": prompt, "greedy": greedy, "top": top}
 
 
+def _dumps(record: dict[str, Any]) -> str:
+    """The record as JSON with one line per model field (reviewable diffs, small file)."""
+
+    def line(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+    head = [f" {line(k)}: {line(v)}" for k, v in record.items() if k != "models"]
+    models = []
+    for name, fields in record["models"].items():
+        body = ",\n".join(f"   {line(k)}: {line(v)}" for k, v in fields.items())
+        models.append(f"  {line(name)}: {{\n{body}\n  }}")
+    return "{\n" + ",\n".join([*head, ' "models": {\n' + ",\n".join(models) + "\n }"]) + "\n}\n"
+
+
 def main(names: list[str]) -> int:
     record: dict[str, Any] = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     record.update(
         {
-            "llama_cpp": llama_server.version(llama_server.find_or_build()).splitlines()[0],
+            "llama_cpp": f"{llama_server.PACKAGE}=={llama_server.VERSION} sources, "
+            + llama_server.version(llama_server.find_or_build()).splitlines()[0],
             "text": TEXT,
             "prompt_text": PROMPT,
         }
@@ -133,7 +148,7 @@ def main(names: list[str]) -> int:
             models[name] = {"sha256": sha256(gguf), **ask(gguf)}
     record["models"] = dict(sorted(models.items()))
     RECORD.parent.mkdir(parents=True, exist_ok=True)
-    RECORD.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    RECORD.write_text(_dumps(record), encoding="utf-8")
     llama_server.log(f"wrote {RECORD}")
     return 0
 
