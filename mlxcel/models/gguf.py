@@ -79,7 +79,9 @@ def convert_gguf(gguf_path: Path, dest: Path, *, keep_quantized: bool = False) -
     """
     gguf = read_gguf(gguf_path)
     raw, md = gguf.tensors, gguf.metadata
-    config = config_from_metadata(md, tied="output.weight" not in raw)
+    config = config_from_metadata(
+        md, tied="output.weight" not in raw, rope_freqs=raw.get("rope_freqs.weight")
+    )
     weights, quantization = _convert_weights(raw, config, keep_quantized=keep_quantized)
     if quantization is not None:
         config["quantization"] = quantization

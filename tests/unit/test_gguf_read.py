@@ -118,7 +118,11 @@ def test_a_file_gives_plain_metadata_and_mlx_arrays(tmp_path: Path) -> None:
     assert t["blk.0.ffn_up.scales"].shape == t["blk.0.ffn_up.biases"].shape == (8, 8)
     expected = dequantize(q4k, GGMLQuantizationType.Q4_K).reshape(8, 256)
     up = mx.dequantize(
-        t["blk.0.ffn_up.weight"], t["blk.0.ffn_up.scales"], t["blk.0.ffn_up.biases"], group_size=32, bits=4
+        t["blk.0.ffn_up.weight"],
+        t["blk.0.ffn_up.scales"],
+        t["blk.0.ffn_up.biases"],
+        group_size=32,
+        bits=4,
     )
     assert np.allclose(np.array(up), expected, atol=np.abs(expected).max() * 2.0**-9)
     assert t["token_embd.weight"].dtype == mx.float16

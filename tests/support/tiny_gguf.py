@@ -1,0 +1,351 @@
+"""Tiny random-weight GGUF files, one per served architecture, written as llama.cpp's
+``convert_hf_to_gguf.py`` writes them (its tensor names and metadata keys), for checking
+mlxcel's GGUF conversion against llama.cpp itself (``tools/bench/gguf_oracle.py``).
+
+Deterministic: the same name gives the same bytes (seeded numpy, gguf-py's writer), so the
+oracle's recorded answers apply to the file a test regenerates; ``sha256`` says so.
+
+Vocabularies come from the packaged SmolLM2 GGUF: its byte-level BPE as it is (with another
+``tokenizer.ggml.pre`` where the family uses one), or respelled as a SentencePiece vocabulary
+(byte tokens, scores by merge rank, U+2581 for spaces) for the llama-2/Mistral, Phi-3 and
+Gemma families. Float32 tensors, so both sides compute in float32 and differ only by
+summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MODELS", "sha256", "write_tiny_gguf"]
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FF, LAYERS = 64, 4, 2, 16, 128, 2
+CONTEXT = 4096
+
+
+@functools.cache
+def _smollm_vocab() -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    from mlxcel.models.default import default_gguf_path
+
+    reader = GGUFReader(str(default_gguf_path()))
+    keys = ("tokens", "merges", "token_type", "bos_token_id", "eos_token_id", "unknown_token_id")
+    return {k: reader.fields[f"tokenizer.ggml.{k}"].contents() for k in keys}
+
+
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's printable spelling of the 256 bytes (bytes_to_unicode), inverted.
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars = list(keep)
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+@functools.cache
+def _spm_vocab(gemma: bool) -> dict[str, Any]:
+    """SmolLM2's pieces as a SentencePiece vocabulary: (tokens, scores, types, specials)."""
+    decode = _byte_decoder()
+    if gemma:
+        head = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+        ids = {"bos": 2, "eos": 1, "unk": 3, "pad": 0}
+    else:
+        head = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+        ids = {"bos": 1, "eos": 2, "unk": 0}
+    tokens = list(head)
+    types = [2 if t in ("<unk>",) else 3 for t in head]
+    scores = [0.0] * len(head)
+    # Gemma keeps runs of newlines and of spaces as user-defined tokens.
+    if gemma:
+        for run in ("\n", "\n\n", "  ", "   "):
+            tokens.append(run)
+            types.append(4)
+            scores.append(0.0)
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    scores += [0.0] * 256
+    seen = set(tokens)
+    rank = 0
+    for piece in _smollm_vocab()["tokens"]:
+        try:
+            text = bytes(decode[c] for c in piece).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            continue  # special tokens, and pieces that end inside a UTF-8 character
+        text = text.replace(" ", "\u2581")
+        if not text or text in seen:
+            continue
+        seen.add(text)
+        tokens.append(text)
+        types.append(1)
+        scores.append(-float(rank))
+        rank += 1
+    # SentencePiece keeps every character of its pieces as a piece of its own (llama.cpp
+    # merges symbols that are not tokens, the tokenizers library cannot).
+    for char in sorted({c for t, k in zip(tokens, types, strict=True) if k == 1 for c in t} - seen):
+        tokens.append(char)
+        types.append(1)
+        scores.append(-float(rank))
+        rank += 1
+    return {"tokens": tokens, "scores": scores, "types": types, "ids": ids}
+
+
+def _add_vocab(w: Any, kind: str, pre: str | None) -> int:
+    """Write the tokenizer.ggml.* keys; the vocabulary size."""
+    if kind == "bpe":
+        v = _smollm_vocab()
+        w.add_string("tokenizer.ggml.model", "gpt2")
+        w.add_string("tokenizer.ggml.pre", pre or "default")
+        w.add_array("tokenizer.ggml.tokens", v["tokens"])
+        w.add_array("tokenizer.ggml.token_type", v["token_type"])
+        w.add_array("tokenizer.ggml.merges", v["merges"])
+        w.add_uint32("tokenizer.ggml.bos_token_id", v["bos_token_id"])
+        w.add_uint32("tokenizer.ggml.eos_token_id", v["eos_token_id"])
+        w.add_uint32("tokenizer.ggml.unknown_token_id", v["unknown_token_id"])
+        return len(v["tokens"])
+    v = _spm_vocab(kind == "gemma")
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", v["tokens"])
+    w.add_array("tokenizer.ggml.scores", v["scores"])
+    w.add_array("tokenizer.ggml.token_type", v["types"])
+    for role, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        if role in v["ids"]:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", v["ids"][role])
+    if kind == "gemma":
+        w.add_bool("tokenizer.ggml.add_bos_token", True)
+        w.add_bool("tokenizer.ggml.add_space_prefix", False)
+    return len(v["tokens"])
+
+
+class _Tensors:
+    def __init__(self, writer: Any, seed: int) -> None:
+        self.w = writer
+        self.rng = np.random.default_rng(seed)
+
+    def matrix(self, name: str, rows: int, cols: int, gain: float = 1.0) -> None:
+        data = self.rng.standard_normal((rows, cols)) * (gain / np.sqrt(cols))
+        self.w.add_tensor(name, data.astype(np.float32))
+
+    def stack(self, name: str, n: int, rows: int, cols: int) -> None:
+        data = self.rng.standard_normal((n, rows, cols)) / np.sqrt(cols)
+        self.w.add_tensor(name, data.astype(np.float32))
+
+    def vector(self, name: str, n: int, mean: float = 1.0, spread: float = 0.1) -> None:
+        data = mean + spread * self.rng.standard_normal(n)
+        self.w.add_tensor(name, data.astype(np.float32))
+
+
+def _common_keys(w: Any, arch: str, *, head_dim: int = HEAD_DIM, layers: int = LAYERS) -> None:
+    w.add_string("general.name", f"tiny-{arch}")
+    w.add_uint32(f"{arch}.context_length", CONTEXT)
+    w.add_uint32(f"{arch}.embedding_length", HIDDEN)
+    w.add_uint32(f"{arch}.block_count", layers)
+    w.add_uint32(f"{arch}.feed_forward_length", FF)
+    w.add_uint32(f"{arch}.attention.head_count", HEADS)
+    w.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    if head_dim != HIDDEN // HEADS:
+        w.add_uint32(f"{arch}.attention.key_length", head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", head_dim)
+
+
+def _attention(t: _Tensors, p: str, head_dim: int = HEAD_DIM, bias: bool = False) -> None:
+    t.matrix(f"{p}.attn_q.weight", HEADS * head_dim, HIDDEN)
+    t.matrix(f"{p}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+    t.matrix(f"{p}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+    t.matrix(f"{p}.attn_output.weight", HIDDEN, HEADS * head_dim)
+    if bias:
+        for part, n in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            t.vector(f"{p}.attn_{part}.bias", n * head_dim, mean=0.0, spread=0.5)
+
+
+def _mlp(t: _Tensors, p: str) -> None:
+    t.matrix(f"{p}.ffn_gate.weight", FF, HIDDEN)
+    t.matrix(f"{p}.ffn_up.weight", FF, HIDDEN)
+    t.matrix(f"{p}.ffn_down.weight", HIDDEN, FF)
+
+
+def _embeddings(
+    t: _Tensors, vocab: int, *, tied: bool, out_gain: float = 4.0, norm_mean: float = 1.0
+) -> None:
+    # Tied: small embeddings, or the residual stream is the input token's own row and greedy
+    # repeats it with certainty.
+    t.matrix("token_embd.weight", vocab, HIDDEN, gain=1.0 if tied else np.sqrt(HIDDEN))
+    t.vector("output_norm.weight", HIDDEN, mean=norm_mean)
+    if not tied:
+        # Sharp logits (std ~out_gain): greedy picks stay clear of ties.
+        t.matrix("output.weight", vocab, HIDDEN, gain=out_gain)
+
+
+def _llama3_rope_factors(base: float) -> np.ndarray:
+    # What convert_hf_to_gguf writes as rope_freqs for rope_scaling {"rope_type": "llama3",
+    # "factor": 32, "low_freq_factor": 1, "high_freq_factor": 4, original 8192} (Llama 3.2).
+    factor, low, high, old = 32.0, 1.0, 4.0, 8192
+    freqs = 1.0 / base ** (np.arange(0, HEAD_DIM, 2, dtype=np.float64) / HEAD_DIM)
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _llama(w: Any, t: _Tensors, *, vocab_kind: str, pre: str | None, rope: str | None) -> None:
+    arch = "llama"
+    _common_keys(w, arch)
+    base = 500000.0
+    w.add_float32(f"{arch}.rope.freq_base", base)
+    w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
+    if rope == "linear":
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_float32(f"{arch}.rope.scaling.factor", 4.0)
+    vocab = _add_vocab(w, vocab_kind, pre)
+    w.add_uint32(f"{arch}.vocab_size", vocab)
+    _embeddings(t, vocab, tied=False)
+    if rope == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(base))
+    for i in range(LAYERS):
+        p = f"blk.{i}"
+        t.vector(f"{p}.attn_norm.weight", HIDDEN)
+        _attention(t, p)
+        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
+        _mlp(t, p)
+
+
+def _qwen(w: Any, t: _Tensors, *, arch: str, rope: str | None = None) -> None:
+    head_dim = 32 if arch != "qwen2" else HEAD_DIM
+    _common_keys(w, arch, head_dim=head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", 1000000.0)
+    if rope == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", 4.0)
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", 1024)
+    if arch == "qwen3moe":
+        w.add_uint32(f"{arch}.expert_count", 4)
+        w.add_uint32(f"{arch}.expert_used_count", 2)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", 48)
+    vocab = _add_vocab(w, "bpe", "qwen2")
+    _embeddings(t, vocab, tied=False)
+    for i in range(LAYERS):
+        p = f"blk.{i}"
+        t.vector(f"{p}.attn_norm.weight", HIDDEN)
+        _attention(t, p, head_dim=head_dim, bias=arch == "qwen2")
+        if arch != "qwen2":
+            t.vector(f"{p}.attn_q_norm.weight", head_dim)
+            t.vector(f"{p}.attn_k_norm.weight", head_dim)
+        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
+        if arch == "qwen3moe":
+            t.matrix(f"{p}.ffn_gate_inp.weight", 4, HIDDEN, gain=3.0)
+            t.stack(f"{p}.ffn_gate_exps.weight", 4, 48, HIDDEN)
+            t.stack(f"{p}.ffn_up_exps.weight", 4, 48, HIDDEN)
+            t.stack(f"{p}.ffn_down_exps.weight", 4, HIDDEN, 48)
+        else:
+            _mlp(t, p)
+
+
+def _gemma(w: Any, t: _Tensors, *, arch: str) -> None:
+    head_dim, layers = 32, (6 if arch == "gemma3" else LAYERS)
+    _common_keys(w, arch, head_dim=head_dim, layers=layers)
+    if arch == "gemma2":
+        w.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
+        w.add_float32(f"{arch}.final_logit_softcapping", 30.0)
+        w.add_uint32(f"{arch}.attention.sliding_window", 4096)
+    else:
+        w.add_float32(f"{arch}.rope.freq_base", 1000000.0)
+        # Small, so the fixed prompt reaches past it on the five sliding layers of six.
+        w.add_uint32(f"{arch}.attention.sliding_window", 8)
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_float32(f"{arch}.rope.scaling.factor", 8.0)
+    vocab = _add_vocab(w, "gemma", None)
+    # Gemma ties its output to the embeddings (the converter stores norms as 1 + weight).
+    # Gemma 2's final norm is large, so its logits reach where the soft-cap bends them.
+    _embeddings(t, vocab, tied=True, norm_mean=8.0 if arch == "gemma2" else 1.0)
+    for i in range(layers):
+        p = f"blk.{i}"
+        t.vector(f"{p}.attn_norm.weight", HIDDEN)
+        _attention(t, p, head_dim=head_dim)
+        if arch == "gemma3":
+            t.vector(f"{p}.attn_q_norm.weight", head_dim)
+            t.vector(f"{p}.attn_k_norm.weight", head_dim)
+        t.vector(f"{p}.post_attention_norm.weight", HIDDEN)
+        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
+        _mlp(t, p)
+        t.vector(f"{p}.post_ffw_norm.weight", HIDDEN)
+
+
+def _phi3(w: Any, t: _Tensors) -> None:
+    arch = "phi3"
+    _common_keys(w, arch)
+    w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    vocab = _add_vocab(w, "spm", None)
+    _embeddings(t, vocab, tied=False)
+    for i in range(LAYERS):
+        p = f"blk.{i}"
+        t.vector(f"{p}.attn_norm.weight", HIDDEN)
+        t.matrix(f"{p}.attn_qkv.weight", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN)
+        t.matrix(f"{p}.attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
+        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
+        t.matrix(f"{p}.ffn_up.weight", 2 * FF, HIDDEN)
+        t.matrix(f"{p}.ffn_down.weight", HIDDEN, FF)
+
+
+# name -> (general.architecture, writer of the keys and tensors)
+MODELS: dict[str, tuple[str, Callable[[Any, _Tensors], None]]] = {
+    "llama3": (
+        "llama",
+        functools.partial(_llama, vocab_kind="bpe", pre="llama-bpe", rope="llama3"),
+    ),
+    "llama-linear": (
+        "llama",
+        functools.partial(_llama, vocab_kind="bpe", pre="smaug-bpe", rope="linear"),
+    ),
+    "mistral": ("llama", functools.partial(_llama, vocab_kind="spm", pre=None, rope=None)),
+    "mistral-tekken": (
+        "llama",
+        functools.partial(_llama, vocab_kind="bpe", pre="tekken", rope=None),
+    ),
+    "qwen2": ("qwen2", functools.partial(_qwen, arch="qwen2")),
+    "qwen2-yarn": ("qwen2", functools.partial(_qwen, arch="qwen2", rope="yarn")),
+    "qwen3": ("qwen3", functools.partial(_qwen, arch="qwen3")),
+    "qwen3moe": ("qwen3moe", functools.partial(_qwen, arch="qwen3moe")),
+    "gemma2": ("gemma2", functools.partial(_gemma, arch="gemma2")),
+    "gemma3": ("gemma3", functools.partial(_gemma, arch="gemma3")),
+    "phi3": ("phi3", _phi3),
+}
+
+
+def write_tiny_gguf(name: str, path: Path) -> Path:
+    """Write the tiny GGUF ``name`` (a key of MODELS) to ``path``; the path."""
+    from gguf import GGUFWriter
+
+    arch, build = MODELS[name]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(str(path), arch)
+    seed = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
+    build(writer, _Tensors(writer, seed))
+    writer.add_uint32("general.file_type", 0)  # ALL_F32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
