@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel import cli_compat
+from mlxcel.models.chat_templates import BUILT_IN as BUILT_IN_CHAT_TEMPLATES
 from mlxcel.paths import default_cache_dir
 from mlxcel.runtime import allocator
 from mlxcel.runtime.messages import SamplingParams
@@ -819,13 +820,7 @@ def api_keys(args: argparse.Namespace) -> frozenset[str]:
 
 
 # llama.cpp's built-in names this server knows (Jinja text is taken as it is).
-CHAT_TEMPLATES = {
-    "chatml": (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-        "(message['content'] or '') + '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    ),
-}
+CHAT_TEMPLATES = BUILT_IN_CHAT_TEMPLATES
 
 
 def chat_template(args: argparse.Namespace) -> str | None:

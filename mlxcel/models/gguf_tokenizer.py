@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxcel.models.chat_templates import BUILT_IN, GGUF_DEFAULT
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.gguf_meta import ROLE_KEYS as _ROLE_KEYS
 from mlxcel.models.gguf_meta import floats as _floats
@@ -265,9 +266,15 @@ def tokenizer_config(md: dict[str, Any], context_length: int) -> dict[str, Any]:
         for i, k in enumerate(_token_types(md, len(tokens)))
         if k == _CONTROL and tokens[i] not in roles
     ]
-    template = _value(md, "tokenizer.chat_template")
-    if template:
-        config["chat_template"] = template
+    # A file without a template is chatted with in ChatML, as llama-server does.
+    template = _value(md, "tokenizer.chat_template") or BUILT_IN[GGUF_DEFAULT]
+    if config["add_bos_token"] and "bos_token" not in template:
+        # llama-server tokenizes the rendered chat with the vocabulary's BOS rule; the
+        # server here tokenizes it as the template wrote it (HF's convention), so the
+        # template says BOS itself. (One that names bos_token already gets exactly one BOS
+        # from llama-server, which drops a duplicate.)
+        template = "{{ bos_token }}" + template
+    config["chat_template"] = template
     return config
 
 

@@ -36,7 +36,7 @@ __all__ = ["CONVERTER_VERSION", "ResolvedModel", "default_cache_dir", "resolve_m
 log = logging.getLogger(__name__)
 
 # Bump when convert_gguf's output changes, so stale cache entries are redone.
-CONVERTER_VERSION = 3  # 3: K-quants kept quantised, every architecture of issue 38
+CONVERTER_VERSION = 4  # 3: K-quants kept, issue 38 architectures; 4: ChatML by default
 _STALE_TMP_S = 24 * 3600
 
 Source = Literal["default", "folder", "gguf", "hub"]

@@ -217,3 +217,18 @@ def test_unserved_vocabularies_are_named() -> None:
     bpe = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]}
     with pytest.raises(UnsupportedModel, match=r"'kimi-k2' is not served \(served: .*qwen2"):
         build_tokenizer({**bpe, "tokenizer.ggml.pre": "kimi-k2"})
+
+
+def test_chat_template_chatml_by_default_and_bos_as_llama_server_adds_it() -> None:
+    # No template in the file: llama-server chats in ChatML; BOS where the vocabulary adds it.
+    spm = tokenizer_config(_spm(), 4096)["chat_template"]
+    assert spm.startswith("{{ bos_token }}") and "<|im_start|>" in spm
+    bpe = {**_spm(), "tokenizer.ggml.add_bos_token": False}
+    assert tokenizer_config(bpe, 4096)["chat_template"].startswith("{% for message")
+    # A template that names bos_token itself is kept as it is (llama-server drops the
+    # duplicate BOS it would otherwise add).
+    own = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert tokenizer_config(_spm(**{"tokenizer.chat_template": own}), 4096)["chat_template"] == own
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with_bos = tokenizer_config(_spm(**{"tokenizer.chat_template": plain}), 4096)
+    assert with_bos["chat_template"] == "{{ bos_token }}" + plain
