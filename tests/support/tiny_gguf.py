@@ -9,23 +9,43 @@ Vocabularies come from the packaged SmolLM2 GGUF: its byte-level BPE as it is (w
 ``tokenizer.ggml.pre`` where the family uses one), or respelled as a SentencePiece vocabulary
 (byte tokens, scores by merge rank, U+2581 for spaces) for the llama-2/Mistral, Phi-3 and
 Gemma families. Float32 tensors, so both sides compute in float32 and differ only by
-summation order.
+summation order; except the ``-quants`` models (``QUANT`` sizes, rows of whole 256-wide
+K-quant super-blocks), whose weight matrices are stored in every block format mlxcel reads,
+one per matrix (``tiny_quants.quantise``), as a Q4_K_M file mixes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MODELS", "sha256", "write_tiny_gguf"]
+from tests.support.tiny_quants import quantise
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FF, LAYERS = 64, 4, 2, 16, 128, 2
+__all__ = ["MODELS", "Model", "sha256", "write_tiny_gguf"]
+
 CONTEXT = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    ff: int = 128
+    layers: int = 2
+    expert_ff: int = 48
+
+
+TINY = Dims()
+# Rows of 256 (and 512) inputs: whole K-quant super-blocks everywhere.
+QUANT = Dims(hidden=256, head_dim=64, ff=512, expert_ff=256)
 
 
 @functools.cache
@@ -128,70 +148,90 @@ def _add_vocab(w: Any, kind: str, pre: str | None) -> int:
 
 
 class _Tensors:
-    def __init__(self, writer: Any, seed: int) -> None:
+    """Draws each tensor from the seeded generator and writes it: float32, or quantised to
+    the GGML type ``types`` names for it (the same draws either way)."""
+
+    def __init__(self, writer: Any, seed: int, types: Mapping[str, str]) -> None:
         self.w = writer
         self.rng = np.random.default_rng(seed)
+        self.types = types
+        self.written: set[str] = set()
+
+    def _add(self, name: str, data: np.ndarray) -> None:
+        self.written.add(name)
+        data = data.astype(np.float32)
+        kind = self.types.get(name)
+        if kind is None:
+            self.w.add_tensor(name, data)
+            return
+        from gguf.constants import GGMLQuantizationType
+
+        qtype = GGMLQuantizationType[kind]
+        self.w.add_tensor(name, quantise(data, qtype), raw_dtype=qtype)
 
     def matrix(self, name: str, rows: int, cols: int, gain: float = 1.0) -> None:
-        data = self.rng.standard_normal((rows, cols)) * (gain / np.sqrt(cols))
-        self.w.add_tensor(name, data.astype(np.float32))
+        self._add(name, self.rng.standard_normal((rows, cols)) * (gain / np.sqrt(cols)))
 
     def stack(self, name: str, n: int, rows: int, cols: int) -> None:
-        data = self.rng.standard_normal((n, rows, cols)) / np.sqrt(cols)
-        self.w.add_tensor(name, data.astype(np.float32))
+        self._add(name, self.rng.standard_normal((n, rows, cols)) / np.sqrt(cols))
 
     def vector(self, name: str, n: int, mean: float = 1.0, spread: float = 0.1) -> None:
-        data = mean + spread * self.rng.standard_normal(n)
-        self.w.add_tensor(name, data.astype(np.float32))
+        self._add(name, mean + spread * self.rng.standard_normal(n))
 
 
-def _common_keys(w: Any, arch: str, *, head_dim: int = HEAD_DIM, layers: int = LAYERS) -> None:
+def _common_keys(w: Any, arch: str, d: Dims) -> None:
     w.add_string("general.name", f"tiny-{arch}")
     w.add_uint32(f"{arch}.context_length", CONTEXT)
-    w.add_uint32(f"{arch}.embedding_length", HIDDEN)
-    w.add_uint32(f"{arch}.block_count", layers)
-    w.add_uint32(f"{arch}.feed_forward_length", FF)
-    w.add_uint32(f"{arch}.attention.head_count", HEADS)
-    w.add_uint32(f"{arch}.attention.head_count_kv", KV_HEADS)
+    w.add_uint32(f"{arch}.embedding_length", d.hidden)
+    w.add_uint32(f"{arch}.block_count", d.layers)
+    w.add_uint32(f"{arch}.feed_forward_length", d.ff)
+    w.add_uint32(f"{arch}.attention.head_count", d.heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", d.kv_heads)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    if head_dim != HIDDEN // HEADS:
-        w.add_uint32(f"{arch}.attention.key_length", head_dim)
-        w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    if d.head_dim != d.hidden // d.heads:
+        w.add_uint32(f"{arch}.attention.key_length", d.head_dim)
+        w.add_uint32(f"{arch}.attention.value_length", d.head_dim)
 
 
-def _attention(t: _Tensors, p: str, head_dim: int = HEAD_DIM, bias: bool = False) -> None:
-    t.matrix(f"{p}.attn_q.weight", HEADS * head_dim, HIDDEN)
-    t.matrix(f"{p}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-    t.matrix(f"{p}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
-    t.matrix(f"{p}.attn_output.weight", HIDDEN, HEADS * head_dim)
+def _attention(t: _Tensors, p: str, d: Dims, bias: bool = False) -> None:
+    t.matrix(f"{p}.attn_q.weight", d.heads * d.head_dim, d.hidden)
+    t.matrix(f"{p}.attn_k.weight", d.kv_heads * d.head_dim, d.hidden)
+    t.matrix(f"{p}.attn_v.weight", d.kv_heads * d.head_dim, d.hidden)
+    t.matrix(f"{p}.attn_output.weight", d.hidden, d.heads * d.head_dim)
     if bias:
-        for part, n in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-            t.vector(f"{p}.attn_{part}.bias", n * head_dim, mean=0.0, spread=0.5)
+        for part, n in (("q", d.heads), ("k", d.kv_heads), ("v", d.kv_heads)):
+            t.vector(f"{p}.attn_{part}.bias", n * d.head_dim, mean=0.0, spread=0.5)
 
 
-def _mlp(t: _Tensors, p: str) -> None:
-    t.matrix(f"{p}.ffn_gate.weight", FF, HIDDEN)
-    t.matrix(f"{p}.ffn_up.weight", FF, HIDDEN)
-    t.matrix(f"{p}.ffn_down.weight", HIDDEN, FF)
+def _mlp(t: _Tensors, p: str, d: Dims) -> None:
+    t.matrix(f"{p}.ffn_gate.weight", d.ff, d.hidden)
+    t.matrix(f"{p}.ffn_up.weight", d.ff, d.hidden)
+    t.matrix(f"{p}.ffn_down.weight", d.hidden, d.ff)
 
 
 def _embeddings(
-    t: _Tensors, vocab: int, *, tied: bool, out_gain: float = 4.0, norm_mean: float = 1.0
+    t: _Tensors,
+    vocab: int,
+    d: Dims,
+    *,
+    tied: bool,
+    out_gain: float = 4.0,
+    norm_mean: float = 1.0,
 ) -> None:
     # Tied: small embeddings, or the residual stream is the input token's own row and greedy
     # repeats it with certainty.
-    t.matrix("token_embd.weight", vocab, HIDDEN, gain=1.0 if tied else np.sqrt(HIDDEN))
-    t.vector("output_norm.weight", HIDDEN, mean=norm_mean)
+    t.matrix("token_embd.weight", vocab, d.hidden, gain=1.0 if tied else np.sqrt(d.hidden))
+    t.vector("output_norm.weight", d.hidden, mean=norm_mean)
     if not tied:
         # Sharp logits (std ~out_gain): greedy picks stay clear of ties.
-        t.matrix("output.weight", vocab, HIDDEN, gain=out_gain)
+        t.matrix("output.weight", vocab, d.hidden, gain=out_gain)
 
 
-def _llama3_rope_factors(base: float) -> np.ndarray:
+def _llama3_rope_factors(base: float, head_dim: int) -> np.ndarray:
     # What convert_hf_to_gguf writes as rope_freqs for rope_scaling {"rope_type": "llama3",
     # "factor": 32, "low_freq_factor": 1, "high_freq_factor": 4, original 8192} (Llama 3.2).
     factor, low, high, old = 32.0, 1.0, 4.0, 8192
-    freqs = 1.0 / base ** (np.arange(0, HEAD_DIM, 2, dtype=np.float64) / HEAD_DIM)
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     out = []
     for f in freqs:
         wavelen = 2 * np.pi / f
@@ -205,31 +245,36 @@ def _llama3_rope_factors(base: float) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def _llama(w: Any, t: _Tensors, *, vocab_kind: str, pre: str | None, rope: str | None) -> None:
+def _llama(
+    w: Any, t: _Tensors, *, vocab_kind: str, pre: str | None, rope: str | None, d: Dims = TINY
+) -> None:
     arch = "llama"
-    _common_keys(w, arch)
+    _common_keys(w, arch, d)
     base = 500000.0
     w.add_float32(f"{arch}.rope.freq_base", base)
-    w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
+    w.add_uint32(f"{arch}.rope.dimension_count", d.head_dim)
     if rope == "linear":
         w.add_string(f"{arch}.rope.scaling.type", "linear")
         w.add_float32(f"{arch}.rope.scaling.factor", 4.0)
     vocab = _add_vocab(w, vocab_kind, pre)
     w.add_uint32(f"{arch}.vocab_size", vocab)
-    _embeddings(t, vocab, tied=False)
+    _embeddings(t, vocab, d, tied=False)
     if rope == "llama3":
-        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(base))
-    for i in range(LAYERS):
+        w.add_tensor("rope_freqs.weight", _llama3_rope_factors(base, d.head_dim))
+    for i in range(d.layers):
         p = f"blk.{i}"
-        t.vector(f"{p}.attn_norm.weight", HIDDEN)
-        _attention(t, p)
-        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
-        _mlp(t, p)
+        t.vector(f"{p}.attn_norm.weight", d.hidden)
+        _attention(t, p, d)
+        t.vector(f"{p}.ffn_norm.weight", d.hidden)
+        _mlp(t, p, d)
 
 
-def _qwen(w: Any, t: _Tensors, *, arch: str, rope: str | None = None) -> None:
-    head_dim = 32 if arch != "qwen2" else HEAD_DIM
-    _common_keys(w, arch, head_dim=head_dim)
+def _qwen(
+    w: Any, t: _Tensors, *, arch: str, rope: str | None = None, d: Dims | None = None
+) -> None:
+    if d is None:
+        d = TINY if arch == "qwen2" else dataclasses.replace(TINY, head_dim=32)
+    _common_keys(w, arch, d)
     w.add_float32(f"{arch}.rope.freq_base", 1000000.0)
     if rope == "yarn":
         w.add_string(f"{arch}.rope.scaling.type", "yarn")
@@ -238,29 +283,29 @@ def _qwen(w: Any, t: _Tensors, *, arch: str, rope: str | None = None) -> None:
     if arch == "qwen3moe":
         w.add_uint32(f"{arch}.expert_count", 4)
         w.add_uint32(f"{arch}.expert_used_count", 2)
-        w.add_uint32(f"{arch}.expert_feed_forward_length", 48)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", d.expert_ff)
     vocab = _add_vocab(w, "bpe", "qwen2")
-    _embeddings(t, vocab, tied=False)
-    for i in range(LAYERS):
+    _embeddings(t, vocab, d, tied=False)
+    for i in range(d.layers):
         p = f"blk.{i}"
-        t.vector(f"{p}.attn_norm.weight", HIDDEN)
-        _attention(t, p, head_dim=head_dim, bias=arch == "qwen2")
+        t.vector(f"{p}.attn_norm.weight", d.hidden)
+        _attention(t, p, d, bias=arch == "qwen2")
         if arch != "qwen2":
-            t.vector(f"{p}.attn_q_norm.weight", head_dim)
-            t.vector(f"{p}.attn_k_norm.weight", head_dim)
-        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
+            t.vector(f"{p}.attn_q_norm.weight", d.head_dim)
+            t.vector(f"{p}.attn_k_norm.weight", d.head_dim)
+        t.vector(f"{p}.ffn_norm.weight", d.hidden)
         if arch == "qwen3moe":
-            t.matrix(f"{p}.ffn_gate_inp.weight", 4, HIDDEN, gain=3.0)
-            t.stack(f"{p}.ffn_gate_exps.weight", 4, 48, HIDDEN)
-            t.stack(f"{p}.ffn_up_exps.weight", 4, 48, HIDDEN)
-            t.stack(f"{p}.ffn_down_exps.weight", 4, HIDDEN, 48)
+            t.matrix(f"{p}.ffn_gate_inp.weight", 4, d.hidden, gain=3.0)
+            t.stack(f"{p}.ffn_gate_exps.weight", 4, d.expert_ff, d.hidden)
+            t.stack(f"{p}.ffn_up_exps.weight", 4, d.expert_ff, d.hidden)
+            t.stack(f"{p}.ffn_down_exps.weight", 4, d.hidden, d.expert_ff)
         else:
-            _mlp(t, p)
+            _mlp(t, p, d)
 
 
 def _gemma(w: Any, t: _Tensors, *, arch: str) -> None:
-    head_dim, layers = 32, (6 if arch == "gemma3" else LAYERS)
-    _common_keys(w, arch, head_dim=head_dim, layers=layers)
+    d = dataclasses.replace(TINY, head_dim=32, layers=6 if arch == "gemma3" else TINY.layers)
+    _common_keys(w, arch, d)
     if arch == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
         w.add_float32(f"{arch}.final_logit_softcapping", 30.0)
@@ -274,59 +319,111 @@ def _gemma(w: Any, t: _Tensors, *, arch: str) -> None:
     vocab = _add_vocab(w, "gemma", None)
     # Gemma ties its output to the embeddings (the converter stores norms as 1 + weight).
     # Gemma 2's final norm is large, so its logits reach where the soft-cap bends them.
-    _embeddings(t, vocab, tied=True, norm_mean=8.0 if arch == "gemma2" else 1.0)
-    for i in range(layers):
+    _embeddings(t, vocab, d, tied=True, norm_mean=8.0 if arch == "gemma2" else 1.0)
+    for i in range(d.layers):
         p = f"blk.{i}"
-        t.vector(f"{p}.attn_norm.weight", HIDDEN)
-        _attention(t, p, head_dim=head_dim)
+        t.vector(f"{p}.attn_norm.weight", d.hidden)
+        _attention(t, p, d)
         if arch == "gemma3":
-            t.vector(f"{p}.attn_q_norm.weight", head_dim)
-            t.vector(f"{p}.attn_k_norm.weight", head_dim)
-        t.vector(f"{p}.post_attention_norm.weight", HIDDEN)
-        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
-        _mlp(t, p)
-        t.vector(f"{p}.post_ffw_norm.weight", HIDDEN)
+            t.vector(f"{p}.attn_q_norm.weight", d.head_dim)
+            t.vector(f"{p}.attn_k_norm.weight", d.head_dim)
+        t.vector(f"{p}.post_attention_norm.weight", d.hidden)
+        t.vector(f"{p}.ffn_norm.weight", d.hidden)
+        _mlp(t, p, d)
+        t.vector(f"{p}.post_ffw_norm.weight", d.hidden)
 
 
 def _phi3(w: Any, t: _Tensors) -> None:
-    arch = "phi3"
-    _common_keys(w, arch)
-    w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
+    arch, d = "phi3", TINY
+    _common_keys(w, arch, d)
+    w.add_uint32(f"{arch}.rope.dimension_count", d.head_dim)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     vocab = _add_vocab(w, "spm", None)
-    _embeddings(t, vocab, tied=False)
-    for i in range(LAYERS):
+    _embeddings(t, vocab, d, tied=False)
+    for i in range(d.layers):
         p = f"blk.{i}"
-        t.vector(f"{p}.attn_norm.weight", HIDDEN)
-        t.matrix(f"{p}.attn_qkv.weight", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN)
-        t.matrix(f"{p}.attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
-        t.vector(f"{p}.ffn_norm.weight", HIDDEN)
-        t.matrix(f"{p}.ffn_up.weight", 2 * FF, HIDDEN)
-        t.matrix(f"{p}.ffn_down.weight", HIDDEN, FF)
+        t.vector(f"{p}.attn_norm.weight", d.hidden)
+        t.matrix(f"{p}.attn_qkv.weight", (d.heads + 2 * d.kv_heads) * d.head_dim, d.hidden)
+        t.matrix(f"{p}.attn_output.weight", d.hidden, d.heads * d.head_dim)
+        t.vector(f"{p}.ffn_norm.weight", d.hidden)
+        t.matrix(f"{p}.ffn_up.weight", 2 * d.ff, d.hidden)
+        t.matrix(f"{p}.ffn_down.weight", d.hidden, d.ff)
 
 
-# name -> (general.architecture, writer of the keys and tensors)
-MODELS: dict[str, tuple[str, Callable[[Any, _Tensors], None]]] = {
-    "llama3": (
-        "llama",
-        functools.partial(_llama, vocab_kind="bpe", pre="llama-bpe", rope="llama3"),
+# Every block format mlxcel reads, one weight matrix each (two for Q4_K and Q6_K), in a
+# Q4_K_M-like file: Q4_K embeddings, Q6_K output.
+_LLAMA_QUANTS = {
+    "token_embd.weight": "Q4_K",
+    "output.weight": "Q6_K",
+    "blk.0.attn_q.weight": "Q4_0",
+    "blk.0.attn_k.weight": "Q4_1",
+    "blk.0.attn_v.weight": "Q5_0",
+    "blk.0.attn_output.weight": "Q5_1",
+    "blk.0.ffn_gate.weight": "Q8_0",
+    "blk.0.ffn_up.weight": "Q2_K",
+    "blk.0.ffn_down.weight": "Q3_K",
+    "blk.1.attn_q.weight": "Q4_K",
+    "blk.1.attn_k.weight": "Q5_K",
+    "blk.1.attn_v.weight": "IQ4_NL",
+    "blk.1.attn_output.weight": "IQ4_XS",
+    "blk.1.ffn_gate.weight": "Q6_K",
+    "blk.1.ffn_up.weight": "Q5_K",
+    "blk.1.ffn_down.weight": "Q4_K",
+}
+# Q4_K_M's choices (Q6_K for attn_v, ffn_down and output), then other types on layer 1's
+# experts; the router and norms stay F32 as llama-quantize keeps them.
+_QWEN3MOE_QUANTS = {
+    "token_embd.weight": "Q4_K",
+    "output.weight": "Q6_K",
+    **{f"blk.{i}.attn_{m}.weight": "Q4_K" for i in (0, 1) for m in ("q", "k", "output")},
+    **{f"blk.{i}.attn_v.weight": "Q6_K" for i in (0, 1)},
+    "blk.0.ffn_gate_exps.weight": "Q4_K",
+    "blk.0.ffn_up_exps.weight": "Q4_K",
+    "blk.0.ffn_down_exps.weight": "Q6_K",
+    "blk.1.ffn_gate_exps.weight": "Q5_K",
+    "blk.1.ffn_up_exps.weight": "IQ4_XS",
+    "blk.1.ffn_down_exps.weight": "Q8_0",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    arch: str  # general.architecture
+    build: Callable[[Any, _Tensors], None]  # writes the keys and tensors
+    types: Mapping[str, str] = dataclasses.field(default_factory=dict)  # else F32
+    file_type: int = 0  # general.file_type (llama_ftype): ALL_F32
+
+
+MODELS: dict[str, Model] = {
+    "llama3": Model(
+        "llama", functools.partial(_llama, vocab_kind="bpe", pre="llama-bpe", rope="llama3")
     ),
-    "llama-linear": (
+    "llama3-quants": Model(
         "llama",
-        functools.partial(_llama, vocab_kind="bpe", pre="smaug-bpe", rope="linear"),
+        functools.partial(_llama, vocab_kind="bpe", pre="llama-bpe", rope="llama3", d=QUANT),
+        _LLAMA_QUANTS,
+        file_type=15,  # MOSTLY_Q4_K_M
     ),
-    "mistral": ("llama", functools.partial(_llama, vocab_kind="spm", pre=None, rope=None)),
-    "mistral-tekken": (
-        "llama",
-        functools.partial(_llama, vocab_kind="bpe", pre="tekken", rope=None),
+    "llama-linear": Model(
+        "llama", functools.partial(_llama, vocab_kind="bpe", pre="smaug-bpe", rope="linear")
     ),
-    "qwen2": ("qwen2", functools.partial(_qwen, arch="qwen2")),
-    "qwen2-yarn": ("qwen2", functools.partial(_qwen, arch="qwen2", rope="yarn")),
-    "qwen3": ("qwen3", functools.partial(_qwen, arch="qwen3")),
-    "qwen3moe": ("qwen3moe", functools.partial(_qwen, arch="qwen3moe")),
-    "gemma2": ("gemma2", functools.partial(_gemma, arch="gemma2")),
-    "gemma3": ("gemma3", functools.partial(_gemma, arch="gemma3")),
-    "phi3": ("phi3", _phi3),
+    "mistral": Model("llama", functools.partial(_llama, vocab_kind="spm", pre=None, rope=None)),
+    "mistral-tekken": Model(
+        "llama", functools.partial(_llama, vocab_kind="bpe", pre="tekken", rope=None)
+    ),
+    "qwen2": Model("qwen2", functools.partial(_qwen, arch="qwen2")),
+    "qwen2-yarn": Model("qwen2", functools.partial(_qwen, arch="qwen2", rope="yarn")),
+    "qwen3": Model("qwen3", functools.partial(_qwen, arch="qwen3")),
+    "qwen3moe": Model("qwen3moe", functools.partial(_qwen, arch="qwen3moe")),
+    "qwen3moe-quants": Model(
+        "qwen3moe",
+        functools.partial(_qwen, arch="qwen3moe", d=QUANT),
+        _QWEN3MOE_QUANTS,
+        file_type=15,  # MOSTLY_Q4_K_M
+    ),
+    "gemma2": Model("gemma2", functools.partial(_gemma, arch="gemma2")),
+    "gemma3": Model("gemma3", functools.partial(_gemma, arch="gemma3")),
+    "phi3": Model("phi3", _phi3),
 }
 
 
@@ -334,12 +431,15 @@ def write_tiny_gguf(name: str, path: Path) -> Path:
     """Write the tiny GGUF ``name`` (a key of MODELS) to ``path``; the path."""
     from gguf import GGUFWriter
 
-    arch, build = MODELS[name]
+    model = MODELS[name]
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(str(path), arch)
+    writer = GGUFWriter(str(path), model.arch)
     seed = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
-    build(writer, _Tensors(writer, seed))
-    writer.add_uint32("general.file_type", 0)  # ALL_F32
+    tensors = _Tensors(writer, seed, model.types)
+    model.build(writer, tensors)
+    missing = set(model.types) - tensors.written
+    assert not missing, f"{name}: no such tensors {sorted(missing)}"
+    writer.add_uint32("general.file_type", model.file_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
