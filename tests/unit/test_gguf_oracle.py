@@ -44,8 +44,8 @@ GEMMA_BOUND = 3e-3
 # rounded to q8_0/q8_1 and K-quant/IQ4_XS weights with q8_K, where we compute in float32 on
 # the decoded weights; and we requantise Q6_K/Q3_K/Q2_K to 8 bits and round Q4_K/Q5_K/IQ4_XS
 # group scales and biases (products of two stored numbers) to float16. Measured apart, on
-# single-format variants against llama.cpp on the same weights decoded to F32 by gguf-py (its reference
-# decoding, so its side rounds nothing): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL within 1e-4,
+# single-format variants against llama.cpp on the same weights decoded to F32 by gguf-py
+# (its reference decoding, so its side rounds nothing): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL within 1e-4,
 # Q4_K/Q5_K/IQ4_XS 2e-2 (float16 scales), Q6_K/Q3_K/Q2_K 8e-2 (8-bit requantisation); the
 # rest is llama.cpp's activation rounding. A misread layout moves them by units: two IQ4_XS
 # sub-block scales swapped in one matrix, or Q5_K's fifth bit lost in one sub-block of
