@@ -68,6 +68,7 @@ int int8_mode() {
   if (active_isa() != Isa::avx512 || !cpu_has_vnni()) return int(Int8Mode::off);
   return int8_wanted.load(std::memory_order_relaxed);
 }
+
 // Below this many multiply-adds a call runs on the calling thread alone. While mlx evaluates,
 // its main thread keeps encoding the graph as the stream's thread computes, so on a 2-core
 // machine a second worker competes with it. Measured on SmolLM2-135M decode (1 row, ms/step):
