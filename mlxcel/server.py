@@ -85,7 +85,13 @@ def build_mlx_backend(settings: Settings) -> Backend:
     if settings.distributed:
         shard_model(loaded.model)
     if loaded.native_layers:
-        log.info("%d quantised layers on mlxcel's native CPU kernels", loaded.native_layers)
+        from mlxcel import native
+
+        log.info(
+            "%d quantised layers on mlxcel's native CPU kernels (%s)",
+            loaded.native_layers,
+            native.kernel_isa(),
+        )
     if settings.chat_template is not None:
         # --chat-template[-file]: the tokenizer renders with it, and every format detection
         # (reasoning markers, tool calls, /props) reads it instead of the model's own.

@@ -111,8 +111,8 @@ class ServerProcess:
 
 
 # The generation paths a server can take on the CPU: with mlxcel's native kernels (the default
-# on AVX-512 Linux), and without them ("portable": mlx's own ops, the path Apple silicon and
-# other CPUs take). Tests of generation that matter most (chat, batching and seeds,
+# on AVX-512 or AVX2 Linux), and without them ("portable": mlx's own ops, the path Apple silicon
+# and other CPUs take). Tests of generation that matter most (chat, batching and seeds,
 # speculation, cancellation) run their server once per path (issue 37).
 KERNEL_PATHS = {"native": None, "portable": {"MLXCEL_NATIVE": "0"}}
 

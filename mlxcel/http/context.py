@@ -227,7 +227,8 @@ class ServerContext:
 def _fingerprint(description: str, path: str, device: str, batch_invariant: bool) -> str:
     """Which configuration produced an answer, for clients that compare seeded answers. It
     changes with what changes the numbers: our and mlx's versions, the model and its
-    precision, the BLAS, the device, int8 activations and --batch-invariant."""
+    precision, the BLAS, the device, the native kernels' instruction set (their sums are
+    grouped per vector width), int8 activations and --batch-invariant."""
     from importlib.metadata import version
 
     from mlxcel import __version__, native
@@ -240,6 +241,7 @@ def _fingerprint(description: str, path: str, device: str, batch_invariant: bool
         path,
         preload_blas().name,
         device,
+        native.kernel_isa(),
         native.int8_activations(),
         str(batch_invariant),
     )

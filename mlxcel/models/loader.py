@@ -290,8 +290,8 @@ def _dequantize(model: Module) -> None:
 
 
 def native_enabled() -> bool:
-    """Whether quantised layers may run on the native kernels here (built, an AVX-512 CPU,
-    mlx on the CPU, and ``MLXCEL_NATIVE`` not ``0``)."""
+    """Whether quantised layers may run on the native kernels here (built, an AVX-512 or AVX2
+    CPU, mlx on the CPU, and ``MLXCEL_NATIVE`` not ``0``)."""
     return os.environ.get("MLXCEL_NATIVE", "1") != "0" and _native_available()
 
 

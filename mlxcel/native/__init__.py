@@ -4,9 +4,11 @@ each: an mlx C++ extension (``_ext``).
 mlx's CPU kernels for anything but float32 are 4-40x slower than OpenBLAS float32, so on the CPU
 mlxcel dequantises models to float32 and one decode stream reads ~4x more bytes per step than
 the quantised weights hold. ``quantized_matmul`` and ``bf16_matmul`` here dequantise or widen
-the weights in registers (AVX-512) and compute in float32, with mlx's own semantics, as graph
-nodes on mlx's CPU stream; on CPUs with AVX512-VNNI, quantised weights meet activations
-quantised to int8 instead (``INT8_MODES`` below).
+the weights in registers (AVX-512, or AVX2 with FMA and F16C on CPUs without it: chosen at run
+time, ``kernel_isa()``) and compute in float32, with mlx's own semantics, as graph nodes on
+mlx's CPU stream; on CPUs with AVX512-VNNI, quantised weights meet activations quantised to
+int8 instead (``INT8_MODES`` below). ``MLXCEL_NATIVE_ISA`` (``avx512``, ``avx2``, ``generic``;
+read once, at import) caps the instruction set, to run the AVX2 kernels on an AVX-512 CPU.
 
 ``rms_norm`` and ``rope`` are ``mx.fast.rms_norm`` and ``mx.fast.rope`` for float32 on the CPU,
 where mlx has no kernels for them and builds ~11 and ~29 graph nodes instead; likewise
@@ -45,6 +47,7 @@ __all__ = [
     "bf16_matmul",
     "attention",
     "int8_activations",
+    "kernel_isa",
     "quantized_matmul",
     "reason",
     "rms_norm",
@@ -88,8 +91,11 @@ def _load() -> tuple[ModuleType | None, str]:
             "mlxcel native kernels were built against another mlx or nanobind; "
             "rebuild: python -m mlxcel.native --force"
         )
-    if _ext.kernel_isa() != "avx512":
-        return None, "this CPU lacks AVX-512 (F/BW/VL/DQ): mlx's own kernels are used"
+    if _ext.kernel_isa() not in ("avx512", "avx2"):
+        return None, (
+            "this CPU lacks AVX2 with FMA and F16C (and AVX-512), or MLXCEL_NATIVE_ISA=generic "
+            "asks for the portable kernels: mlx's own kernels are used"
+        )
     return _ext, ""
 
 
@@ -139,6 +145,12 @@ def int8_activations() -> str:
 
 _INT8 = "off"
 set_int8_activations()
+
+
+def kernel_isa() -> str:
+    """The instruction set the kernels run with here: "avx512" or "avx2"; "" when they do not
+    load (``reason()``)."""
+    return "" if _EXT is None else _EXT.kernel_isa()
 
 
 def reason() -> str:

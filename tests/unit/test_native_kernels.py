@@ -1,11 +1,14 @@
 """The native matmul kernels (mlxcel/native) against mlx's float32 reference.
 
+Tests that take the ``native_isa`` fixture (tests/unit/conftest.py) run once per instruction set
+the kernels have on this CPU (AVX-512 and AVX2 on an AVX-512 CPU), the kernels capped to it.
+
 The float32 kernels first (int8 activations off, as every test here has them unless it asks):
 tolerance: |ours - ref| <= 1e-5 * (|x| @ |W|.T) elementwise. Both sides are float32 sums of the
-same products in different orders (ours: 16-lane partial sums per tile); such sums differ by
-at most ~K * 2^-24 of the sum of the terms' magnitudes, typically ~sqrt(K) * 2^-24 (< 3e-6 at
-K=1536), and |x| @ |W|.T is exactly that magnitude, so a wrong weight, scale or row fails by
-orders of magnitude while a legitimate reordering never does.
+same products in different orders (ours: 16-lane partial sums per tile, 8 with AVX2); such sums
+differ by at most ~K * 2^-24 of the sum of the terms' magnitudes, typically ~sqrt(K) * 2^-24
+(< 3e-6 at K=1536), and |x| @ |W|.T is exactly that magnitude, so a wrong weight, scale or row
+fails by orders of magnitude while a legitimate reordering never does.
 
 Then int8 activations (AVX512-VNNI), whose error is bounded by how x is rounded: see
 ``_check_int8``.
@@ -14,6 +17,8 @@ Then int8 activations (AVX512-VNNI), whose error is bounded by how x is rounded:
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +32,13 @@ from mlxcel.native import (
     available,
     bf16_matmul,
     int8_activations,
+    kernel_isa,
     quantized_matmul,
     reason,
     set_int8_activations,
 )
 from mlxcel.native.build import HERE
+from tests.unit.conftest import native_isas
 
 _STAMP = HERE / ".build-stamp"
 
@@ -93,7 +100,7 @@ def _float_kernels() -> Iterator[None]:
 @needs_ext
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 512])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_rows(rows: int, bits: int) -> None:
+def test_rows(rows: int, bits: int, native_isa: str) -> None:
     w, s, b, dense = _quantized(1536, 576, bits, 32, mx.float16)
     x = mx.random.normal((rows, 576))
     _check(_qmm(x, w, s, b, 32, bits), x, dense)  # the kernel itself, at any row count
@@ -108,7 +115,7 @@ def test_rows(rows: int, bits: int) -> None:
 )
 @pytest.mark.parametrize("n", [1, 7, 64, 576, 1536])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_shapes(k: int, group: int, n: int, bits: int) -> None:
+def test_shapes(k: int, group: int, n: int, bits: int, native_isa: str) -> None:
     w, s, b, dense = _quantized(n, k, bits, group, mx.bfloat16)
     # 1-8 rows take the tiles, 16 and 40 the rows kernel (one and several 16-row vectors).
     for rows in (1, 3, 16, 40):
@@ -120,7 +127,7 @@ def test_shapes(k: int, group: int, n: int, bits: int) -> None:
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_scale_dtypes(scale_dtype: mx.Dtype, bits: int, group: int) -> None:
+def test_scale_dtypes(scale_dtype: mx.Dtype, bits: int, group: int, native_isa: str) -> None:
     w, s, b, dense = _quantized(576, 1536, bits, group, scale_dtype)
     for rows in (1, 8, 16, 40):
         x = mx.random.normal((rows, 1536))
@@ -129,7 +136,7 @@ def test_scale_dtypes(scale_dtype: mx.Dtype, bits: int, group: int) -> None:
 
 @needs_ext
 @pytest.mark.parametrize("bits", [4, 8])
-def test_vocabulary_sized_lm_head(bits: int) -> None:
+def test_vocabulary_sized_lm_head(bits: int, native_isa: str) -> None:
     w, s, b, dense = _quantized(49152, 576, bits, 32 if bits == 4 else 64, mx.float16)
     group = 32 if bits == 4 else 64
     for rows in (1, 16):
@@ -138,7 +145,7 @@ def test_vocabulary_sized_lm_head(bits: int) -> None:
 
 
 @needs_ext
-def test_leading_dims_and_strided_inputs() -> None:
+def test_leading_dims_and_strided_inputs(native_isa: str) -> None:
     w, s, b, dense = _quantized(64, 576, 4, 32, mx.float16)
     x = mx.random.normal((2, 3, 576))
     got = quantized_matmul(x, w, s, b, group_size=32, bits=4)
@@ -168,10 +175,56 @@ def test_portable_kernels(bits: int) -> None:
 @needs_ext
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 32])
 @pytest.mark.parametrize(("n", "k"), [(1, 64), (7, 576), (1536, 576), (576, 1536), (5, 100)])
-def test_bf16(rows: int, n: int, k: int) -> None:
+def test_bf16(rows: int, n: int, k: int, native_isa: str) -> None:
     w = mx.random.normal((n, k)).astype(mx.bfloat16)
     x = mx.random.normal((rows, k))
     _check(bf16_matmul(x, w), x, w.astype(mx.float32))
+
+
+@pytest.mark.skipif(
+    native_isas()[:2] != ["avx512", "avx2"], reason="needs a CPU with AVX-512 and the kernels"
+)
+def test_isa_cap_runs_the_avx2_kernels() -> None:
+    """Capped to AVX2 on an AVX-512 CPU (what a CPU without AVX-512 runs), the AVX2 kernels are
+    what computes: the ISA says so, int8 activations are off (AVX2 has none), and sums come
+    out grouped 8 lanes wide, so not all bits match the AVX-512 kernels' 16-lane sums."""
+    ext: Any = _ext()
+    w, s, b, dense = _quantized(1536, 576, 4, 32, mx.float16)
+    wb = dense.astype(mx.bfloat16)
+    x = mx.random.normal((3, 576))
+    wide = (_qmm(x, w, s, b, 32, 4), bf16_matmul(x, wb))
+    mx.eval(*wide)
+    assert ext.set_isa_cap("avx2") == "avx2" == kernel_isa()
+    try:
+        assert set_int8_activations("every-row") == "off"
+        narrow = (_qmm(x, w, s, b, 32, 4), bf16_matmul(x, wb))
+        _check(narrow[0], x, dense)
+        _check(narrow[1], x, wb.astype(mx.float32))
+        for a, b_ in zip(narrow, wide, strict=True):
+            assert not mx.array_equal(a, b_).item()
+    finally:
+        ext.set_isa_cap("avx512")
+        set_int8_activations("off")
+
+
+@needs_ext
+def test_isa_environment_variable() -> None:
+    """MLXCEL_NATIVE_ISA caps the kernels from the start; "generic" leaves mlx's own ops."""
+
+    def run(isa: str) -> list[str]:
+        code = (
+            "import mlxcel.models.mlx_setup; from mlxcel import native; "
+            "print(native.kernel_isa() or '-', native.int8_activations(), native.available())"
+        )
+        env = {**os.environ, "MLXCEL_NATIVE_ISA": isa, "MLXCEL_NATIVE_INT8": "every-row"}
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return done.stdout.split()
+
+    if "avx2" in native_isas():
+        assert run("avx2") == ["avx2", "off", "True"]
+    assert run("generic") == ["-", "off", "False"]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -195,7 +248,7 @@ def test_rejects_mismatched_shapes() -> None:
 
 @pytest.mark.slow
 @needs_ext
-def test_default_model_on_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_on_native_kernels(monkeypatch: pytest.MonkeyPatch, native_isa: str) -> None:
     """The loader puts the default model's Q4_1 layers on the kernels (weights as stored) and
     it says what float32 says."""
     from mlx.utils import tree_flatten
@@ -229,7 +282,7 @@ def test_default_model_on_native_kernels(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @needs_ext
-def test_bfloat16_checkpoint_on_native_kernels(tmp_path: Path) -> None:
+def test_bfloat16_checkpoint_on_native_kernels(tmp_path: Path, native_isa: str) -> None:
     """A bfloat16 checkpoint keeps its projections in bfloat16 on the CPU (half float32's
     bytes) and says what the same weights widened to float32 say."""
     from mlx.utils import tree_flatten

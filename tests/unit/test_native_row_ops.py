@@ -84,7 +84,7 @@ def test_rope_reads_a_transposed_view() -> None:
 
 @needs_ext
 @pytest.mark.parametrize("shape", [(1, 1, 1536), (1, 300, 8192), (3, 7, 33)])
-def test_silu_mul(shape: tuple[int, ...]) -> None:
+def test_silu_mul(shape: tuple[int, ...], native_isa: str) -> None:
     import mlx.nn as nn
 
     mx.random.seed(7)
@@ -118,7 +118,7 @@ def _sdpa(q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None) -> mx.ar
         (1, 4, 2, 50, 192),  # wider than the 8 registers the value sum is held in
     ],
 )
-def test_attention(b: int, h: int, kv: int, s: int, d: int) -> None:
+def test_attention(b: int, h: int, kv: int, s: int, d: int, native_isa: str) -> None:
     mx.random.seed(4)
     q = mx.random.normal((b, h, 1, d))
     # Keys and values as a KV cache holds them: a slice of a longer buffer.
@@ -147,7 +147,7 @@ def test_attention(b: int, h: int, kv: int, s: int, d: int) -> None:
 
 
 @needs_ext
-def test_decode_attention_additive_values_count() -> None:
+def test_decode_attention_additive_values_count(native_isa: str) -> None:
     mx.random.seed(5)
     q, k, v = (mx.random.normal(s) for s in ((2, 4, 1, 64), (2, 2, 30, 64), (2, 2, 30, 64)))
     bias = mx.random.normal((2, 1, 1, 30))
@@ -159,7 +159,7 @@ def test_decode_attention_additive_values_count() -> None:
 
 @needs_ext
 @pytest.mark.parametrize(("lq", "s"), [(7, 7), (5, 40), (64, 64), (3, 300)])
-def test_prompt_attention(lq: int, s: int) -> None:
+def test_prompt_attention(lq: int, s: int, native_isa: str) -> None:
     """Several queries (a prompt chunk, a speculative check) with the causal mask, bottom-right
     aligned as mlx's, and with a left-padding mask beside it."""
     mx.random.seed(6)
@@ -183,7 +183,7 @@ def test_prompt_attention(lq: int, s: int) -> None:
 
 @needs_ext
 @pytest.mark.parametrize("d", [64, 80, 128, 192])
-def test_a_query_gets_the_same_bits_in_a_prompt_and_alone(d: int) -> None:
+def test_a_query_gets_the_same_bits_in_a_prompt_and_alone(d: int, native_isa: str) -> None:
     """Many query rows per KV head take the blocked path (keys transposed, 16 scored at once),
     a decode step's one row the one-key path: both group every sum alike, so a query's
     result is the same bits either way (a prompt's last row = the next decode step's)."""

@@ -1,5 +1,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
 #include "ops.h"
@@ -32,6 +33,7 @@ NB_MODULE(_ext, m) {
   m.def("silu_mul", &mlxcel_native::silu_mul, "gate"_a, "x"_a, nb::kw_only(),
         "stream"_a = nb::none());
   m.def("kernel_isa", &mlxcel_native::kernel_isa);
+  m.def("set_isa_cap", &mlxcel_native::set_isa_cap, "isa"_a);
   m.def("force_generic", &mlxcel_native::force_generic, "on"_a);
   m.def("pool_threads", &mlxcel_native::pool_threads);
   m.def("set_int8_activations", &mlxcel_native::set_int8_activations, "mode"_a);

@@ -1,6 +1,7 @@
-// The matmul kernels' interface: plain structs and functions, no mlx types, so that the AVX-512
-// translation unit can be compiled with -mavx512* without sharing any inline (ODR-merged) code
-// with the rest of the extension; a merged copy could run AVX-512 code on a CPU without it.
+// The kernels' interface: plain structs and functions, no mlx types, so that the AVX-512 and
+// AVX2 translation units can be compiled with -mavx512* / -mavx2 without sharing any inline
+// (ODR-merged) code with the rest of the extension or with each other; a merged copy could run
+// AVX-512 code on a CPU without it. ops.cpp picks the instruction set at run time (kernel_isa).
 #pragma once
 
 #include <cstdint>
@@ -35,24 +36,29 @@ struct Bf16Args {
 // Each computes output columns [n0, n1) for all rows; callers split N over threads.
 void qmm_avx512(const QmmArgs& a, int n0, int n1);
 void bf16mm_avx512(const Bf16Args& a, int n0, int n1);
+void qmm_avx2(const QmmArgs& a, int n0, int n1);
+void bf16mm_avx2(const Bf16Args& a, int n0, int n1);
 void qmm_generic(const QmmArgs& a, int n0, int n1);
 void bf16mm_generic(const Bf16Args& a, int n0, int n1);
 
-// The AVX-512 4-bit kernel reads activations reordered per 32-element chunk: the 16 even
+// The AVX-512 and AVX2 4-bit kernels read activations reordered per 32-element chunk: the 16 even
 // elements, then the 16 odd ones (the order in which it unpacks low and high nibbles).
 void qmm_prepare_x(const float* x, float* xp, int M, int K);
 
-// Column-tile width the AVX-512 kernels use at M rows: thread ranges are cut at multiples.
+// Column-tile width the AVX-512 / AVX2 kernels use at M rows: thread ranges are cut at multiples.
 int avx512_tile_cols(int M);
+int avx2_tile_cols(int M);
 
 // From this many rows on, quantized and bfloat16 matmuls take the rows kernel: x transposed by
-// qmm_transpose_x, then qmm_rows_avx512 (see kernels_avx512.cpp for why).
+// qmm_transpose_x, then qmm_rows_avx512 or qmm_rows_avx2 (see kernels_avx512.cpp for why).
 constexpr int kRowsKernelMin = 12;
 // xT [K, Mp] = x [M, K] transposed (Mp: M rounded up to 16), rows M..Mp zero; `nibble_order`: each 32-element chunk of
 // K in qmm_prepare_x's order (4-bit).
 void qmm_transpose_x(const float* x, float* xT, int M, int Mp, int K, bool nibble_order);
 void qmm_rows_avx512(const QmmArgs& a, const float* xT, int Mp, int n0, int n1);
 void bf16mm_rows_avx512(const Bf16Args& a, const float* xT, int Mp, int n0, int n1);
+void qmm_rows_avx2(const QmmArgs& a, const float* xT, int Mp, int n0, int n1);
+void bf16mm_rows_avx2(const Bf16Args& a, const float* xT, int Mp, int n0, int n1);
 
 // ---- int8 activations (AVX512-VNNI, kernels_vnni.cpp) ------------------------------------
 // Rows quantised per 32-input block: xq [K/4][Mp][4] int8 (4 inputs of 16 rows per 64 bytes),
@@ -73,7 +79,7 @@ constexpr int kVnniCols = 8;
 void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1);
 constexpr int kVnniColsSmall = 16;
 
-// ---- attention (attention_avx512.cpp) ------------------------------------------------------
+// ---- attention (attention_avx512.cpp, attention_avx2.cpp) ----------------------------------
 // out[b, h, i] = softmax(scale * q[b, h, i] k^T [+ mask]) v over the keys query i may see, for
 // q [B, H, Lq, D], k [B, KVH, S, D], v [B, KVH, S, Dv] (H a multiple of KVH, each KV head
 // serving H / KVH query heads), every last axis contiguous. `causal`: query i sees keys up to
@@ -98,8 +104,10 @@ struct AttnArgs {
 };
 // Computes query rows [r0, r1), row index (b * H + h) * Lq + i.
 void attention_avx512(const AttnArgs& a, int64_t r0, int64_t r1);
+void attention_avx2(const AttnArgs& a, int64_t r0, int64_t r1);
 
-// out[i] = gate[i] * sigmoid(gate[i]) * x[i] for i in [i0, i1) (SwiGLU; elementwise_avx512.cpp).
+// out[i] = gate[i] * sigmoid(gate[i]) * x[i] for i in [i0, i1) (SwiGLU; elementwise_*.cpp).
 void silu_mul_avx512(const float* gate, const float* x, float* out, int64_t i0, int64_t i1);
+void silu_mul_avx2(const float* gate, const float* x, float* out, int64_t i0, int64_t i1);
 
 }  // namespace mlxcel_native

@@ -17,26 +17,44 @@ namespace {
 
 std::atomic<bool> generic_forced{false};
 
-bool cpu_has_avx512() {
+// The best instruction set this CPU runs the kernels with.
+Isa cpu_isa() {
 #if defined(__x86_64__)
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  return ok;
+  static const Isa isa = [] {
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq");
+    return avx512 ? Isa::avx512 : avx2 ? Isa::avx2 : Isa::generic;
+  }();
+  return isa;
 #else
-  return false;
+  return Isa::generic;
 #endif
 }
 
-bool use_avx512() {
-  return cpu_has_avx512() && !generic_forced.load(std::memory_order_relaxed);
+constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512"};
+
+int isa_from_name(const std::string& name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == kIsaNames[i]) return i;
+  return -1;
 }
+
+// The cap on the instruction set (set_isa_cap): MLXCEL_NATIVE_ISA at start, read once, so
+// that a CPU with AVX-512 can run and measure the AVX2 kernels. Unknown values cap nothing.
+std::atomic<int> isa_cap{[] {
+  const char* env = std::getenv("MLXCEL_NATIVE_ISA");
+  const int cap = env ? isa_from_name(env) : -1;
+  return cap >= 0 ? cap : int(Isa::avx512);
+}()};
 
 std::atomic<int> int8_wanted{0};  // an Int8Mode
 
 bool cpu_has_vnni() {
 #if defined(__x86_64__)
-  static const bool ok = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  static const bool ok = cpu_isa() == Isa::avx512 && __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;
@@ -44,9 +62,10 @@ bool cpu_has_vnni() {
 }
 
 // Which quantized matmuls quantise their activations to int8 (kernels_vnni.cpp) rather than
-// widen the weights to float32: none without AVX512-VNNI or with the kernels forced generic.
+// widen the weights to float32: none without AVX512-VNNI or below the AVX-512 kernels (AVX2
+// has no int8 kernels yet).
 int int8_mode() {
-  if (!use_avx512() || !cpu_has_vnni()) return int(Int8Mode::off);
+  if (active_isa() != Isa::avx512 || !cpu_has_vnni()) return int(Int8Mode::off);
   return int8_wanted.load(std::memory_order_relaxed);
 }
 
@@ -84,11 +103,12 @@ void run_columns(int M, int N, int K, int tile, Kernel kernel) {
 }
 
 // What both primitives do on the CPU: nothing for empty shapes, zeros for K=0, the portable
-// kernel without AVX-512, the rows kernel from kRowsKernelMin rows on (x transposed once;
-// `nibble_order` for 4-bit), else `tiles(args)` (the register tiles, with any preparation).
+// kernel without AVX2 or AVX-512, the rows kernel from kRowsKernelMin rows on (x transposed
+// once; `nibble_order` for 4-bit; `cols`: the kernels' tile width at M rows), else
+// `tiles(args)` (the register tiles, with any preparation).
 template <class Args, class Generic, class Rows, class Tiles>
-void run_matmul(const Args& args, bool avx, bool nibble_order, Generic generic, Rows rows,
-                Tiles tiles) {
+void run_matmul(const Args& args, bool avx, bool nibble_order, int (*cols)(int), Generic generic,
+                Rows rows, Tiles tiles) {
   if (args.M == 0 || args.N == 0) return;
   if (args.K == 0) {
     std::fill(args.out, args.out + long(args.M) * args.N, 0.0f);
@@ -101,7 +121,7 @@ void run_matmul(const Args& args, bool avx, bool nibble_order, Generic generic, 
     const int Mp = (args.M + 15) / 16 * 16;
     std::vector<float> xT(size_t(Mp) * args.K);
     qmm_transpose_x(args.x, xT.data(), args.M, Mp, args.K, nibble_order);
-    return run_columns(args.M, args.N, args.K, avx512_tile_cols(args.M), [&](int n0, int n1) {
+    return run_columns(args.M, args.N, args.K, cols(args.M), [&](int n0, int n1) {
       rows(args, xT.data(), Mp, n0, n1);
     });
   }
@@ -134,8 +154,21 @@ mx::array as_stored(const mx::array& a, mx::Stream stream) {
 
 }  // namespace
 
+Isa active_isa() {
+  if (generic_forced.load(std::memory_order_relaxed)) return Isa::generic;
+  const int cap = isa_cap.load(std::memory_order_relaxed);
+  return Isa(int(cpu_isa()) < cap ? int(cpu_isa()) : cap);
+}
+
 const char* kernel_isa() {
-  return use_avx512() ? "avx512" : "generic";
+  return kIsaNames[int(active_isa())];
+}
+
+const char* set_isa_cap(const std::string& isa) {
+  const int cap = isa_from_name(isa);
+  if (cap < 0) bad("isa must be avx512, avx2 or generic");
+  isa_cap.store(cap);
+  return kernel_isa();
 }
 
 void force_generic(bool on) {
@@ -253,18 +286,26 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     });
     return;
   }
-  encoder.dispatch([args, avx = use_avx512()]() {
-    run_matmul(args, avx, args.bits == 4, qmm_generic, qmm_rows_avx512, [](QmmArgs a) {
-      std::vector<float> xp;
-      if (a.bits == 4) {
-        xp.resize(size_t(a.M) * a.K);
-        qmm_prepare_x(a.x, xp.data(), a.M, a.K);
-        a.x = xp.data();
-      }
-      run_columns(a.M, a.N, a.K, avx512_tile_cols(a.M), [&](int n0, int n1) {
-        qmm_avx512(a, n0, n1);
-      });
+  const Isa isa = active_isa();
+  const auto prepared = [](QmmArgs a, int (*cols)(int), void (*tile)(const QmmArgs&, int, int)) {
+    std::vector<float> xp;
+    if (a.bits == 4) {
+      xp.resize(size_t(a.M) * a.K);
+      qmm_prepare_x(a.x, xp.data(), a.M, a.K);
+      a.x = xp.data();
+    }
+    run_columns(a.M, a.N, a.K, cols(a.M), [&](int n0, int n1) { tile(a, n0, n1); });
+  };
+  if (isa == Isa::avx2) {
+    encoder.dispatch([args, prepared]() {
+      run_matmul(args, true, args.bits == 4, avx2_tile_cols, qmm_generic, qmm_rows_avx2,
+                 [&](const QmmArgs& a) { prepared(a, avx2_tile_cols, qmm_avx2); });
     });
+    return;
+  }
+  encoder.dispatch([args, prepared, avx = isa == Isa::avx512]() {
+    run_matmul(args, avx, args.bits == 4, avx512_tile_cols, qmm_generic, qmm_rows_avx512,
+               [&](const QmmArgs& a) { prepared(a, avx512_tile_cols, qmm_avx512); });
   });
 }
 
@@ -289,12 +330,21 @@ void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
       int(w.shape(0)),
       K,
       out.data<float>()};
-  encoder.dispatch([args, avx = use_avx512()]() {
-    run_matmul(args, avx, false, bf16mm_generic, bf16mm_rows_avx512, [](const Bf16Args& a) {
-      run_columns(a.M, a.N, a.K, avx512_tile_cols(a.M), [&](int n0, int n1) {
-        bf16mm_avx512(a, n0, n1);
-      });
+  const Isa isa = active_isa();
+  const auto tiled = [](const Bf16Args& a, int (*cols)(int),
+                        void (*tile)(const Bf16Args&, int, int)) {
+    run_columns(a.M, a.N, a.K, cols(a.M), [&](int n0, int n1) { tile(a, n0, n1); });
+  };
+  if (isa == Isa::avx2) {
+    encoder.dispatch([args, tiled]() {
+      run_matmul(args, true, false, avx2_tile_cols, bf16mm_generic, bf16mm_rows_avx2,
+                 [&](const Bf16Args& a) { tiled(a, avx2_tile_cols, bf16mm_avx2); });
     });
+    return;
+  }
+  encoder.dispatch([args, tiled, avx = isa == Isa::avx512]() {
+    run_matmul(args, avx, false, avx512_tile_cols, bf16mm_generic, bf16mm_rows_avx512,
+               [&](const Bf16Args& a) { tiled(a, avx512_tile_cols, bf16mm_avx512); });
   });
 }
 

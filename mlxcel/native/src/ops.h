@@ -3,6 +3,8 @@
 // own primitives. There is no GPU evaluation: callers keep these on the CPU device.
 #pragma once
 
+#include <string>
+
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -24,9 +26,16 @@ mx::array quantized_matmul(
 // x @ w.T for float32 x [..., K] and bfloat16 w [N, K], computed in float32.
 mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
-// Which kernels run: "avx512" when the CPU has AVX-512 F/BW/VL/DQ with FMA and F16C, else
-// "generic". force_generic(true) selects the portable kernels (tests compare both).
+// Which kernels run: "avx512" when the CPU has AVX-512 F/BW/VL/DQ with FMA and F16C, "avx2"
+// when it has AVX2 with FMA and F16C, else "generic" (portable C++), chosen at run time.
+// set_isa_cap caps it ("avx512" caps nothing; MLXCEL_NATIVE_ISA sets the cap at start, read
+// once) and returns the ISA now in force; force_generic(true) selects the portable kernels
+// whatever the cap (tests compare them all). Graphs take the ISA in force when evaluated
+// (matmuls) or built (attention, silu_mul, which have no portable kernels).
+enum class Isa : int { generic = 0, avx2 = 1, avx512 = 2 };
+Isa active_isa();
 const char* kernel_isa();
+const char* set_isa_cap(const std::string& isa);
 void force_generic(bool on);
 int pool_threads();
 // int8 activations for quantized matmuls (see kernels_vnni.cpp): `many_rows` from

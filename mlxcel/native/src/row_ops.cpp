@@ -228,7 +228,8 @@ mx::array attention(
     bool causal,
     const std::optional<mx::array>& mask,
     mx::StreamOrDevice s) {
-  if (std::string(kernel_isa()) != "avx512") bad("attention needs AVX-512");
+  const Isa isa = active_isa();
+  if (isa == Isa::generic) bad("attention needs AVX2 or AVX-512");
   if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
     bad("attention: q, k and v must be float32");
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) bad("attention: 4-d q, k, v");
@@ -252,7 +253,7 @@ mx::array attention(
   mx::Shape shape = q.shape();
   shape.back() = v.shape(3);
   return mx::array(shape, mx::float32,
-                   std::make_shared<Attention>(mx::to_stream(s), scale, causal),
+                   std::make_shared<Attention>(mx::to_stream(s), scale, causal, isa),
                    std::move(inputs));
 }
 
@@ -315,15 +316,15 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   a.causal = causal_;
   a.scale = scale_;
   a.out = out.data<float>();
-  encoder.dispatch([a]() {
+  encoder.dispatch([a, kernel = isa_ == Isa::avx512 ? attention_avx512 : attention_avx2]() {
     const int64_t rows = int64_t(a.B) * a.H * a.Lq;
     // Split over the pool when the keys read are many (long contexts, prompts, big batches).
     const int64_t work = rows * a.S * (a.D + a.Dv);
     Pool& pool = Pool::instance();
     const int64_t tasks = work < (1L << 18) ? 1 : std::min<int64_t>(rows, pool.threads() * 8);
-    if (tasks <= 1) return attention_avx512(a, 0, rows);
+    if (tasks <= 1) return kernel(a, 0, rows);
     pool.run(int(tasks), [&](int t) {
-      attention_avx512(a, rows * t / tasks, rows * (t + 1) / tasks);
+      kernel(a, rows * t / tasks, rows * (t + 1) / tasks);
     });
   });
 }
@@ -334,14 +335,15 @@ void Attention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool Attention::is_equivalent(const mx::Primitive& other) const {
   const auto* o = dynamic_cast<const Attention*>(&other);
-  return o != nullptr && o->scale_ == scale_ && o->causal_ == causal_;
+  return o != nullptr && o->scale_ == scale_ && o->causal_ == causal_ && o->isa_ == isa_;
 }
 
 mx::array silu_mul(const mx::array& gate, const mx::array& x, mx::StreamOrDevice s) {
-  if (std::string(kernel_isa()) != "avx512") bad("silu_mul needs AVX-512");
+  const Isa isa = active_isa();
+  if (isa == Isa::generic) bad("silu_mul needs AVX2 or AVX-512");
   if (gate.dtype() != mx::float32 || x.dtype() != mx::float32 || gate.shape() != x.shape())
     bad("silu_mul: gate and x must be float32 arrays of one shape");
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(mx::to_stream(s)),
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(mx::to_stream(s), isa),
                    {gate, x});
 }
 
@@ -349,14 +351,15 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = begin_eval(inputs, out, stream());
   if (out.size() == 0) return;
   encoder.dispatch([g = dense_rows(inputs[0], stream()), x = dense_rows(inputs[1], stream()),
-                    o = out.data<float>(), n = int64_t(out.size())]() {
+                    o = out.data<float>(), n = int64_t(out.size()),
+                    kernel = isa_ == Isa::avx512 ? silu_mul_avx512 : silu_mul_avx2]() {
     Pool& pool = Pool::instance();
     const int64_t tasks = n < (1L << 16) ? 1 : pool.threads() * 2;
-    if (tasks <= 1) return silu_mul_avx512(g, x, o, 0, n);
+    if (tasks <= 1) return kernel(g, x, o, 0, n);
     pool.run(int(tasks), [&](int t) {
       // Cut at multiples of 16 so every task but the last stores whole vectors.
       const int64_t i0 = (n * t / tasks) / 16 * 16, i1 = t + 1 == tasks ? n : (n * (t + 1) / tasks) / 16 * 16;
-      silu_mul_avx512(g, x, o, i0, i1);
+      kernel(g, x, o, i0, i1);
     });
   });
 }

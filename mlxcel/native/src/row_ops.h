@@ -15,6 +15,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "ops.h"
 
 namespace mx = mlx::core;
 
@@ -51,7 +52,8 @@ mx::array rope(
 // v [B, KVH, S, Dv] (S >= Lq), `causal` (bottom-right aligned, as mlx's) and/or a mask
 // broadcastable to [B, H, Lq, S] (bool: keep; float32: added, -inf drops the key). Keys a mask
 // drops are skipped (see AttnArgs), so a row of a left-padded batch gets the bits it gets
-// alone. One query row at a time, rows split over the pool. AVX-512 only.
+// alone. One query row at a time, rows split over the pool. AVX-512 or AVX2 (the ISA in force
+// when the node is built).
 mx::array attention(
     const mx::array& q,
     const mx::array& k,
@@ -62,26 +64,30 @@ mx::array attention(
     mx::StreamOrDevice s = {});
 
 // SwiGLU's gate * sigmoid(gate) * x for float32 gate and x of one shape (~6 compiled nodes in
-// fast_math, ~8 ns an element there; ~1 here, split over the pool when large). AVX-512 only.
+// fast_math, ~8 ns an element there; ~1 here, split over the pool when large). AVX-512 or AVX2.
 mx::array silu_mul(const mx::array& gate, const mx::array& x, mx::StreamOrDevice s = {});
 
 class SiluMul : public mx::UnaryPrimitive {
  public:
-  explicit SiluMul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  SiluMul(mx::Stream stream, Isa isa) : mx::UnaryPrimitive(stream), isa_(isa) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
     return "MlxcelSiluMul";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return dynamic_cast<const SiluMul*>(&other) != nullptr;
+    const auto* o = dynamic_cast<const SiluMul*>(&other);
+    return o != nullptr && o->isa_ == isa_;
   }
+
+ private:
+  Isa isa_;
 };
 
 class Attention : public mx::UnaryPrimitive {
  public:
-  Attention(mx::Stream stream, float scale, bool causal)
-      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+  Attention(mx::Stream stream, float scale, bool causal, Isa isa)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal), isa_(isa) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -92,6 +98,7 @@ class Attention : public mx::UnaryPrimitive {
  private:
   float scale_;
   bool causal_;
+  Isa isa_;
 };
 
 class RmsNorm : public mx::UnaryPrimitive {

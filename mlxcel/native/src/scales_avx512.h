@@ -7,21 +7,10 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "scale_at.h"
 
 namespace mlxcel_native {
 namespace {
-
-template <ScaleType ST>
-inline float scale_at(const void* p, long i) {
-  if constexpr (ST == ScaleType::f32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (ST == ScaleType::f16) {
-    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    const uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
-    return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(int(bits))));
-  }
-}
 
 // `count` scales or biases from src[offset], widened to float32 into dst, 16 at a time.
 template <ScaleType ST>
