@@ -32,6 +32,7 @@ loader is meant to import it, and importing the loader's package back would be a
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
@@ -78,6 +79,12 @@ def _load() -> tuple[ModuleType | None, str]:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         where = f"{sys.platform} {platform.machine()}"
         return None, f"mlxcel native kernels are for Linux x86-64, not {where}"
+    cap = os.environ.get("MLXCEL_NATIVE_ISA")
+    if cap is not None and cap not in ("avx512", "avx2", "generic"):
+        # The extension reads it too and ignores what it does not know: say so here.
+        logging.getLogger(__name__).warning(
+            "MLXCEL_NATIVE_ISA=%r is not avx512, avx2 or generic: ignored", cap
+        )
     try:
         from mlxcel.native import _ext
     except ImportError as exc:
