@@ -759,7 +759,9 @@ def main() -> int:
         help="a random-weight GGUF of that size for mlxcel and llama-server (sized_models.py); "
         "skips the MLX peers",
     )
-    ap.add_argument("--quant", default="Q4_0", choices=["Q4_0", "Q8_0", "Q4_1"])
+    import sized_models  # tools/bench/sized_models.py, beside this script
+
+    ap.add_argument("--quant", default="Q4_0", choices=sized_models.QUANTS)
     ap.add_argument(
         "--mlxcel-float32",
         action="store_true",
@@ -824,8 +826,6 @@ def main() -> int:
     # mlxcel serves the folder as a user's server does (a quantised one on the native kernels,
     # the default model's included); the MLX peers get the float32 copy, their fastest here.
     if a.model_size:
-        import sized_models  # tools/bench/sized_models.py, beside this script
-
         sized = str(sized_models.build(a.model_size, a.quant))
         a.skip = sorted({*a.skip, "mlx_lm", "raw"})
         a.llama_gguf = a.llama_gguf or sized

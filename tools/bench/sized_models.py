@@ -42,7 +42,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-QUANTS = ("Q4_0", "Q8_0", "Q4_1")
+# Q4_K_M: llama-quantize's mix (Q4_K, with Q6_K for the output and half of attn_v/ffn_down),
+# the type most GGUF files users have are in (issue 38).
+QUANTS = ("Q4_0", "Q8_0", "Q4_1", "Q4_K_M")
 CONTEXT = 8192
 
 
@@ -201,13 +203,19 @@ def build(size: str, quant: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     f16 = path_for(size, "F16")
     t0 = time.monotonic()
-    if not f16.is_file():
+    source, flags = f16, ["--pure"]  # every matrix of the type asked
+    if quant == "Q4_K_M":
+        flags = []  # the mix is the point
+        if not f16.is_file() and path_for(size, "Q8_0").is_file():
+            # Random weights: only the layout matters, so requantising Q8_0 is as good.
+            source, flags = path_for(size, "Q8_0"), ["--allow-requantize"]
+    if not source.is_file():
         log(f"writing {f16} ({SHAPES[size].parameters() / 1e9:.2f} B parameters, float16)")
         write_f16(size, f16)
-    log(f"quantising to {quant} with {quantize} --pure")
+    log(f"quantising {source.name} to {quant} with {quantize} {' '.join(flags)}")
     tmp = out.with_name(out.name + ".tmp")
     done = subprocess.run(
-        [str(quantize), "--pure", str(f16), str(tmp), quant, "2"],
+        [str(quantize), *flags, str(source), str(tmp), quant, "2"],
         capture_output=True,
         text=True,
         check=False,
