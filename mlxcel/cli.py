@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxcel import cli_compat
-from mlxcel.models.chat_templates import BUILT_IN as BUILT_IN_CHAT_TEMPLATES
+from mlxcel.chat_templates import BUILT_IN as BUILT_IN_CHAT_TEMPLATES
 from mlxcel.paths import default_cache_dir
 from mlxcel.runtime import allocator
 from mlxcel.runtime.messages import SamplingParams

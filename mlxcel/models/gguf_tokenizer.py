@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxcel.models.chat_templates import BUILT_IN, GGUF_DEFAULT
+from mlxcel.chat_templates import BUILT_IN, GGUF_DEFAULT
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.gguf_meta import ROLE_KEYS as _ROLE_KEYS
 from mlxcel.models.gguf_meta import floats as _floats

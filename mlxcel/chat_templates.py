@@ -1,5 +1,8 @@
 """llama.cpp's built-in chat templates that this server knows by name (``--chat-template``),
-and the one a GGUF file without ``tokenizer.chat_template`` gets, as in llama-server."""
+and the one a GGUF file without ``tokenizer.chat_template`` gets, as in llama-server.
+
+Outside ``mlxcel.models`` on purpose: the CLI reads it before OpenBLAS is loaded, which
+importing that package does."""
 
 from __future__ import annotations
 
