@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
-import llama_server  # noqa: E402
+import llama_server  # noqa: E402 - after sys.path
 
-from tests.support.tiny_gguf import MODELS, sha256, write_tiny_gguf  # noqa: E402
+from tests.support.tiny_gguf import MODELS, sha256, write_tiny_gguf  # noqa: E402 - after sys.path
 
 RECORD = ROOT / "tests" / "data" / "gguf_oracle.json"
 # Accents, CJK, Greek/Cyrillic/Arabic, emoji with modifiers and ZWJ, code, runs of spaces,
