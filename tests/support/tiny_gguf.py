@@ -60,16 +60,10 @@ def _smollm_vocab() -> dict[str, Any]:
 
 
 def _byte_decoder() -> dict[str, int]:
-    # GPT-2's printable spelling of the 256 bytes (bytes_to_unicode), inverted.
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars = list(keep)
-    n = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+    # GPT-2's printable spelling of the 256 bytes, inverted: the server's own table.
+    from mlxcel.actors.token_bytes import _byte_level_decoder
+
+    return _byte_level_decoder()
 
 
 @functools.cache
