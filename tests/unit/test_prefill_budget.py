@@ -52,6 +52,48 @@ def test_chunks_are_cut_to_a_slice_of_time_only_while_rows_decode() -> None:
     assert PrefillBudget(share=1.0).chunk(decoding=True, rows=1, full=512) == 512
 
 
+def _reading_share(budget: PrefillBudget, waiting: int, decoding: int, step_s: float) -> float:
+    """Simulate 600 s of decode steps of ``step_s`` with prompts read in the chunks the budget
+    cuts (at 100 tokens/s) whenever it lets them: the share of the time spent reading."""
+    clock = read_time = 0.0
+    budget.read(1.0, 100, decoding=False)  # the measured rate: 100 tokens/s
+    while clock < 600:
+        budget.rows(waiting, decoding)
+        if budget.may_read(decoding=True, urgent=False):
+            seconds = budget.chunk(True, waiting, 512) * waiting / 100
+            budget.read(seconds, int(seconds * 100), decoding=True)
+            read_time += seconds
+            clock += seconds
+        budget.decoded(step_s)
+        clock += step_s
+    return read_time / clock
+
+
+def test_rows_waiting_get_their_fair_part_when_it_is_above_the_share() -> None:
+    # One row decoding, 15 prompts waiting: held to 0.2, the batch ran nearly empty while
+    # they waited; each row's equal part gives reading 15/16 of the time.
+    assert _reading_share(PrefillBudget(share=0.2), 15, 1, 0.08) == pytest.approx(15 / 16, abs=0.02)
+    assert _reading_share(PrefillBudget(share=0.2), 4, 4, 0.2) == pytest.approx(0.5, abs=0.02)
+    # One long prompt beside 16 running rows: the configured share protects them.
+    assert _reading_share(PrefillBudget(share=0.2), 1, 16, 0.3) == pytest.approx(0.2, abs=0.02)
+    budget = PrefillBudget(share=0.2)
+    assert budget.rows(15, 1) == 15 / 16
+    assert budget.rows(1, 16) == 0.2
+    assert budget.rows(3, 0) == 1.0  # nothing decoding: nobody to protect
+
+
+def test_a_short_prompt_is_one_that_reads_in_the_burst() -> None:
+    budget = PrefillBudget(share=0.2, burst=1.0)
+    assert budget.short(decoding=True, full=512) == 512  # no rate measured yet
+    budget.read(1.0, 90, decoding=False)  # 90 tokens/s (a 1B model here)
+    assert budget.short(decoding=True, full=512) == 90
+    assert budget.short(decoding=False, full=512) == 512
+    assert budget.short(decoding=True, full=64) == 64
+    budget.read(1.0, 10, decoding=False)  # a slow model: never below one minimum chunk
+    budget.rate = 10.0
+    assert budget.short(decoding=True, full=512) == MIN_CHUNK
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir: Path) -> Any:
     from mlxcel.models.loader import load_model

@@ -325,14 +325,15 @@ class EagerStartBatchGenerator(BatchGenerator):
     def _next(self) -> tuple[list[Any], list[Any]]:
         started = self._start_unread_rows()
         budget = self._budget
-        decoding = len(compat.generation_batch(self)) > 0
-        rows = min(
-            len(compat.prompt_batch(self)) + len(compat.waiting(self)), self.prefill_batch_size
-        )
-        # A prompt that one chunk would read alone is exempt, and read whole (with the others
-        # being read, in full chunks): holding back a steady flow of ordinary chat turns
-        # would leave rows idle and lower everyone's throughput.
-        exempt = self._exempt_waiting(budget.chunk(decoding, 1, self._full_chunk))
+        decoding_rows = len(compat.generation_batch(self))
+        decoding = decoding_rows > 0
+        waiting = len(compat.prompt_batch(self)) + len(compat.waiting(self))
+        budget.rows(waiting, decoding_rows)
+        rows = min(waiting, self.prefill_batch_size)
+        # A short prompt is exempt, and read whole (with the others being read, in full
+        # chunks): holding back a steady flow of ordinary chat turns would leave rows idle
+        # and lower everyone's throughput.
+        exempt = self._exempt_waiting(budget.short(decoding, self._full_chunk))
         if not budget.may_read(decoding, exempt):
             return started, self._decode_only()
         self.prefill_step_size = (
