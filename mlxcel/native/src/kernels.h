@@ -61,9 +61,10 @@ void qmm_rows_avx2(const QmmArgs& a, const float* xT, int Mp, int n0, int n1);
 void bf16mm_rows_avx2(const Bf16Args& a, const float* xT, int Mp, int n0, int n1);
 
 // ---- int8 activations (AVX512-VNNI, kernels_vnni.cpp) ------------------------------------
-// Rows quantised per 32-input block: xq [K/4][Mp][4] int8 (4 inputs of 16 rows per 64 bytes),
-// d [K/32][Mp] (each block's scale, max|x| / 127), sums [K/group_size][Mp] (each weight
-// group's sum of the quantised x, d * sum(xq) over its blocks, for the biases). Rows M..Mp are zero.
+// Rows quantised per 32-input block, tile-major (16 rows a tile): xq [Mp/16][K/4][16][4] int8
+// (4 inputs of 16 rows per 64 bytes), d [Mp/16][K/32][16] (each block's scale, max|x| / 127),
+// sums [Mp/16][K/group_size][16] (each weight group's sum of the quantised x, d * sum(xq) over
+// its blocks, for the biases). Rows M..Mp are zero. Only kernels_vnni.cpp reads or writes them.
 struct Int8Rows {
   int8_t* xq;
   float* d;

@@ -12,9 +12,10 @@
 // weight group's sum is  s * sum_blocks(d * int_dot(q, xq)) + b * sum_blocks(d * sum(xq)). A row's result depends only on that row (its own scales, a fixed
 // order over K), never on the rows beside it or its place among them.
 //
-// Layout: lanes are 16 rows (as in the float rows kernel). xq is [K/4][Mp][4] int8, so one
-// 64-byte load is 16 rows x 4 inputs; a column's 4 weights for those inputs are one 32-bit
-// broadcast. The int32 sums of one 32-input block are scaled into float accumulators once.
+// Layout: lanes are 16 rows (as in the float rows kernel). xq is [Mp/16][K/4][16][4] int8, so
+// one 64-byte load is 16 rows x 4 inputs and a tile's loads are one contiguous run; a column's 4
+// weights for those inputs are one 32-bit broadcast. The int32 sums of one 32-input block are
+// scaled into float accumulators once.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -27,6 +28,16 @@
 
 namespace mlxcel_native {
 namespace {
+
+// Where row m's values live in Int8Rows (kernels.h): tile-major, 16 rows a tile, so that a
+// tile's activations are one contiguous run. Row-major [K/4][Mp][4] put a tile's successive
+// 4-input slices Mp * 4 bytes apart: at 512 rows, 2 KB, which maps every one of them onto the
+// same 2 sets of L1 and evicted them as fast as they were fetched.
+inline long xq_at(int K, long kq, int m) {
+  return ((long(m / 16) * (K / 4) + kq) * 16 + m % 16) * 4;
+}
+inline long d_at(int K, long blk, int m) { return (long(m / 16) * (K / 32) + blk) * 16 + m % 16; }
+inline long sums_at(int G, long g, int m) { return (long(m / 16) * G + g) * 16 + m % 16; }
 
 inline int load_u32(const uint8_t* p) {
   int v;
@@ -58,7 +69,6 @@ const uint8_t* column_bytes(const uint8_t* src, long row_bytes, uint8_t* dst) {
 template <int NC>
 void vnni_tile(const QmmArgs& a, const Int8Rows& xr, int m0, const uint8_t* const* wc,
                const float* sb, const float* bb, int n0, int n_end) {
-  const int Mp = xr.Mp;
   const int G = a.K / a.group_size;
   const int bpg = a.group_size / 32;
   __m512 acc[NC];
@@ -73,19 +83,19 @@ void vnni_tile(const QmmArgs& a, const Int8Rows& xr, int m0, const uint8_t* cons
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) {
         const long kq = blk * 8 + u;  // which 4 inputs
-        const __m512i xv = _mm512_loadu_si512(xr.xq + (kq * Mp + m0) * 4);
+        const __m512i xv = _mm512_loadu_si512(xr.xq + xq_at(a.K, kq, m0));
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c)
           ia[c] = _mm512_dpbusd_epi32(ia[c], _mm512_set1_epi32(load_u32(wc[c] + kq * 4)), xv);
       }
-      const __m512 dv = _mm512_loadu_ps(xr.d + blk * Mp + m0);
+      const __m512 dv = _mm512_loadu_ps(xr.d + d_at(a.K, blk, m0));
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) {
         const __m512 sd = _mm512_mul_ps(dv, _mm512_set1_ps(sb[c * G + g]));
         acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[c]), sd, acc[c]);
       }
     }
-    const __m512 sv = _mm512_loadu_ps(xr.sums + long(g) * Mp + m0);
+    const __m512 sv = _mm512_loadu_ps(xr.sums + sums_at(G, g, m0));
 #pragma GCC unroll 16
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(sv, _mm512_set1_ps(bb[c * G + g]), acc[c]);
   }
@@ -115,10 +125,8 @@ void vnni_block(const QmmArgs& a, const Int8Rows& xr, int n0, int n_end,
     const long col = n0 + c < n_end ? n0 + c : n_end - 1;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(a.w) + col * row_bytes;
     wc[c] = column_bytes<BITS>(src, row_bytes, wbuf.data() + long(c) * K);
-    for (int g = 0; g < G; ++g) {
-      sb[c * G + g] = scale_at<ST>(a.scales, col * G + g);
-      bb[c * G + g] = scale_at<ST>(a.biases, col * G + g);
-    }
+    widen<ST>(a.scales, col * G, G, sb + long(c) * G);
+    widen<ST>(a.biases, col * G, G, bb + long(c) * G);
   }
   // One vector of 16 rows at a time: 8 columns' int32 and float sums fill 16 registers, and
   // the block's unpacked weights (8 x K bytes) stay in L1 across the row tiles. (Measured
@@ -177,7 +185,7 @@ template <int BITS>
 void cols_x(const Int8Rows& xr, int M, int K, int8_t* xc) {
   for (int m = 0; m < M; ++m) {
     for (int k = 0; k < K; ++k) {
-      const int8_t v = xr.xq[(long(k / 4) * xr.Mp + m) * 4 + k % 4];
+      const int8_t v = xr.xq[xq_at(K, k / 4, m) + k % 4];
       const int e = k % 8;
       const int at = BITS == 4 ? k - e + (e % 2) * 4 + e / 2 : k;
       xc[long(m) * K + at] = v;
@@ -196,7 +204,6 @@ void cols_tile(const QmmArgs& a, const Int8Rows& xr, const int8_t* xc, int m0,
   constexpr int kPerWord = 32 / BITS;  // inputs per 32-bit word
   constexpr int kWordsPerBlock = 32 / kPerWord;
   const int K = a.K;
-  const int Mp = xr.Mp;
   const int gs = a.group_size;
   __m512 acc[MR];
 #pragma GCC unroll 4
@@ -247,14 +254,15 @@ void cols_tile(const QmmArgs& a, const Int8Rows& xr, const int8_t* xc, int m0,
       const __m512 s = _mm512_loadu_ps(sv + 16 * g);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(xr.d[blk * Mp + m0 + r]), s);
+        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(xr.d[d_at(K, blk, m0 + r)]), s);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), sd, acc[r]);
       }
       if ((blk + 1) * 32 % gs == 0) {  // the group's last block: its biases
         const __m512 bias = _mm512_loadu_ps(bv + 16 * g);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr.sums[g * Mp + m0 + r]), bias, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr.sums[sums_at(K / gs, g, m0 + r)]), bias,
+                                   acc[r]);
       }
     }
   }
@@ -356,8 +364,8 @@ void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Ro
       _mm_store_si128(reinterpret_cast<__m128i*>(q + 16),
                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
       for (int u = 0; u < 8; ++u)
-        std::memcpy(xr.xq + ((blk * 8 + u) * Mp + m) * 4, q + 4 * u, 4);
-      xr.d[blk * Mp + m] = d;
+        std::memcpy(xr.xq + xq_at(K, blk * 8 + u, m), q + 4 * u, 4);
+      xr.d[d_at(K, blk, m)] = d;
       // The biases multiply the quantised x's sum, not x's own: the weights' offset from
       // zero (q is 0..15 for 4 bits, its mean far from 0) then meets the same x as the scale
       // term and the rounding errors cancel in it, as llama.cpp's Q8_1 keeps d * sum(xq).
@@ -366,7 +374,7 @@ void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Ro
           _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16)));
       group_sum += d * float(_mm512_reduce_add_epi32(_mm512_add_epi32(qs, qs1)));
       if ((blk + 1) % bpg == 0) {
-        xr.sums[(blk / bpg) * Mp + m] = group_sum;
+        xr.sums[sums_at(K / group_size, blk / bpg, m)] = group_sum;
         group_sum = 0.0f;
       }
     }
