@@ -378,6 +378,25 @@ def llama_cpp_server(
     return Server("llama-server", argv, port, logdir / "llama_server.log")
 
 
+def resident_gib(pid: int, key: str = "VmRSS") -> float | None:
+    """The process's resident memory (``VmRSS``) or its peak (``VmHWM``), GiB; None where
+    /proc does not say (not Linux, or the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_line(server: Server, peak: bool) -> str:
+    """Resident memory for the log lines: now (after load) or the peak of the run."""
+    pid = server.proc.pid if server.proc is not None else -1
+    gib = resident_gib(pid, "VmHWM" if peak else "VmRSS")
+    return "resident ?" if gib is None else f"{'peak ' if peak else ''}resident {gib:.2f} GiB"
+
+
 async def wait_ready(client, server: Server, timeout: float) -> None:  # noqa: ASYNC109 - a poll loop; its error names the timeout
     import httpx
 
@@ -544,7 +563,11 @@ async def bench_server(
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         t0 = time.monotonic()
         await wait_ready(client, server, ready_timeout)
-        print(f"  {server.name}: ready in {time.monotonic() - t0:.1f}s", flush=True)
+        print(
+            f"  {server.name}: ready in {time.monotonic() - t0:.1f}s, "
+            f"{memory_line(server, peak=False)}",
+            flush=True,
+        )
         # Warm-up: one alone, then a small concurrent batch (compiles / allocates batch shapes).
         warm = await one_request(client, server.base, make_messages(9000, tag + "w"), 8)
         if not warm.ok:
@@ -574,6 +597,7 @@ async def bench_server(
                 print(f"    error: {e}", flush=True)
             for m in lv.mismatches[:3]:
                 print(f"    token-count mismatch: {m}", flush=True)
+        print(f"  {server.name}: {memory_line(server, peak=True)}", flush=True)
     return out
 
 
