@@ -650,14 +650,16 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         env="LLAMA_ARG_AUDIO_QUEUE_DEPTH",
         type=int,
         default=d.audio_queue_depth,
-        help="audio jobs (per model) held at once before new ones get 503 server_busy",
+        help="audio jobs (per model) held at once before new HTTP ones get 503 server_busy "
+        "(a realtime voice turn waits for a place instead)",
     )
     opt(
         "--audio-request-timeout-secs",
         env="LLAMA_ARG_AUDIO_REQUEST_TIMEOUT_SECS",
         type=float,
         default=d.audio_request_timeout_secs,
-        help="seconds an audio request may wait for its result (or next sentence) before a 504",
+        help="seconds an audio request may wait for its result (or next sentence), and a "
+        "realtime turn for a place at a busy worker, before a 504",
     )
     opt(
         "--realtime-max-sessions",

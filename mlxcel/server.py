@@ -215,7 +215,7 @@ async def serve(
         # Embedding / rerank workers; with -m <embedder> the chat model runner never starts.
         side = await start_side_models(root, settings, detect=build_backend is None)
         # Speech-to-text / text-to-speech workers: ready at once, models load on first use.
-        audio = await start_audio(root, settings)
+        audio = await start_audio(root, settings, metrics)
         registry = Registry(
             _model_sources(settings),
             partial(_host, settings, build_backend, metrics, side),
@@ -257,6 +257,10 @@ async def serve(
         workers = {"embedding": side.embedder, "rerank": side.reranker}
         metrics.live.side_jobs = lambda: {
             name: (w.queued, w.working) for name, w in workers.items() if w is not None
+        }
+        speech = {"speech-to-text": audio.stt, "text-to-speech": audio.tts}
+        metrics.live.audio_jobs = lambda: {
+            name: w.statistics() for name, w in speech.items() if w is not None
         }
         app = InFlight(create_app(ctx, webui=webui), scope=registry.request_scope)
         metrics.live.in_flight = lambda: app.active

@@ -22,8 +22,11 @@ typed server events in the session's vocabulary, so no JSON is read here.
 Bounds: the input buffer holds at most ``max_buffer_seconds`` of uncommitted audio (an append
 beyond it is refused with an error); at most ``MAX_PENDING_JOBS`` turns wait to be answered;
 the outbox holds at most ``max_outbox_bytes`` (a client that falls that far behind is
-disconnected with 1008 rather than slowing anyone else). Cancellation of ``run`` (the client
-went away, the server stops) aborts the running answer and returns.
+disconnected with 1008 rather than slowing anyone else). A turn that finds the speech workers
+busy waits in line for them (``wait=True``: bounded by --audio-request-timeout-secs, see
+``actors/audio/worker.py``) rather than being refused, and a server error in a transcription or
+an answer is an ``error`` event: the session goes on. Cancellation of ``run`` (the client went
+away, the server stops) aborts the running answer, leaves any line it waits in, and returns.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class SpeechToText(Protocol):
         language: str | None = ...,
         prompt: str | None = ...,
         greedy: bool = ...,
+        wait: bool = ...,
     ) -> Any: ...
 
 
@@ -91,6 +95,7 @@ class TextToSpeech(Protocol):
         voice: str | None = ...,
         speed: float = ...,
         deadline: float | None = ...,
+        wait: bool = ...,
     ) -> AsyncIterator[bytes]: ...
 
 
@@ -310,13 +315,16 @@ class RealtimeSession:
             language=language,
             prompt=prompt,
             greedy=True,  # a live turn waits on this: no beam search, a short window
+            wait=True,  # a busy worker is waited for: the user does not say it again
         )
 
     # --- answers -----------------------------------------------------------------------------
 
     async def _respond(self, start: ev.StartResponse, scope: trio.CancelScope) -> None:
         """One answer, reported as it goes. Cancelled (barge-in, the session ends): its
-        generation is aborted and its speech stops; the machine hears ``ResponseEnded``."""
+        generation is aborted and its speech stops; the machine hears ``ResponseEnded``.
+        A server error (generation's or the voice's, raised alone or from the answer's
+        nursery) fails this answer only: the session reports it and goes on."""
         rid = start.response_id
         outcome = ev.ResponseEnded(rid, "cancelled")
         try:
@@ -324,7 +332,9 @@ class RealtimeSession:
                 try:
                     await self._generate(start)
                     outcome = ev.ResponseEnded(rid, "completed")
-                except MlxcelError as error:
+                except* MlxcelError as failed:
+                    error = _first(failed)
+                    log.warning("realtime %s: answer %s failed: %s", self.id, rid, error.message)
                     outcome = ev.ResponseEnded(rid, "failed", error.error_type, error.message)
         finally:
             del self._answers[rid]
@@ -378,7 +388,10 @@ class RealtimeSession:
                 if say.wait <= 0:
                     break
                 await trio.sleep(say.wait)
-            speech = tts.synthesize(piece, voice=say.voice, speed=say.speed, deadline=say.deadline)
+            # A busy voice is waited for (in line, bounded), never a refusal mid-answer.
+            speech = tts.synthesize(
+                piece, voice=say.voice, speed=say.speed, deadline=say.deadline, wait=True
+            )
             # An async generator: closed promptly when the answer is cancelled mid-sentence.
             async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], speech)):
                 async for chunk in speech:
@@ -387,6 +400,15 @@ class RealtimeSession:
                         pcm = resampler.push(pcm)
                     self._feed(ev.Synthesized(rid, pcm, AudioWorker.now()))
             self._feed(ev.PieceDone(rid))
+
+
+def _first(group: BaseExceptionGroup[MlxcelError]) -> MlxcelError:
+    """The first error of a group (nurseries nest them)."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, MlxcelError)
+    return error
 
 
 def _only(actions: list[ev.Action], kind: type[A]) -> A | None:

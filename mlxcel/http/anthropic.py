@@ -20,10 +20,17 @@ from mlxcel.http import sse
 from mlxcel.http.anthropic_blocks import BlockStream, content, stop_reason, usage
 from mlxcel.http.anthropic_wire import MessagesRequest, messages_request
 from mlxcel.http.chat_render import Collected
-from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
+from mlxcel.http.context import (
+    Model,
+    ServerContext,
+    check_tools,
+    read_json,
+    require_chat,
+    server,
+)
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import count_prompt, start_generation
-from mlxcel.runtime.errors import InternalError, MlxcelError, require_generation
+from mlxcel.runtime.errors import InternalError, MlxcelError
 from mlxcel.runtime.slot import OutputSlot
 
 bp = Blueprint("anthropic", __name__)
@@ -35,7 +42,7 @@ async def _parse(ctx: ServerContext) -> tuple[MessagesRequest, Model]:
     """The converted request and the model it names; 400 for what this model cannot do."""
     raw = await read_json()
     model = await ctx.model(raw)
-    require_generation(model.generation)
+    require_chat(model)
     tok = model.info.tokenizer
     req = messages_request(
         raw,

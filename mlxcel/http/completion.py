@@ -15,7 +15,7 @@ import attrs
 from quart import Blueprint, Response
 
 from mlxcel.http import heard, logprobs, sse, structured_wire
-from mlxcel.http.context import Model, ServerContext, read_json, server
+from mlxcel.http.context import Model, ServerContext, read_json, require_chat, server
 from mlxcel.http.errors import envelope
 from mlxcel.http.openai import start_generation, timings
 from mlxcel.http.openai_wire import new_id, token_ids
@@ -509,6 +509,7 @@ async def completion() -> Response:
     body = structure(raw, NativeCompletionBody)
     ctx = server()
     model = await ctx.model(raw)
+    require_chat(model)
     info = model.info
     _, hears = heard.hearing(ctx.stt, ctx.settings.audio_input, info.media)
     return await _run(model, body, _prompts(body.prompt, info.tokenizer, info.media, hears))
@@ -521,6 +522,7 @@ async def infill() -> Response:
     # The request is checked before the model: a malformed one is a 400 on any model.
     extra_chunks = _input_extra(body.input_extra)
     model = await server().model(raw)
+    require_chat(model)
     tok = model.info.tokenizer
     vocab = tok.get_vocab()
     fim = next((names for names in FIM_TOKENS if all(n in vocab for n in names)), None)

@@ -26,8 +26,9 @@ from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.session_store import SessionStore
 from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.toolcalls import ToolFormat
+from mlxcel.http.audio_wire import OPENAI_STT_MODELS, OPENAI_TTS_MODELS
 from mlxcel.runtime import json_input
-from mlxcel.runtime.errors import InvalidRequest
+from mlxcel.runtime.errors import InvalidRequest, NotFound, require_generation
 from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.messages import (
     ForcedToolCall,
@@ -214,7 +215,28 @@ class ServerContext:
         own parser names it)."""
         if isinstance(requested, dict):
             requested = requested.get("model")
-        return await self.models.get(requested if isinstance(requested, str) else None)
+        name = requested if isinstance(requested, str) else None
+        try:
+            return await self.models.get(name)
+        except NotFound:
+            # A model the listing shows, but one that serves other routes: say which.
+            if name is not None and (serves := self.serves(name)) is not None:
+                raise not_this_route(name, serves) from None
+            raise
+
+    def serves(self, name: str) -> str | None:
+        """What the side or speech model called ``name`` is and does (None: no such one)."""
+        if self.stt is not None and name in {self.stt.model_id, *OPENAI_STT_MODELS}:
+            return (
+                "a speech-to-text model: it transcribes audio (POST /v1/audio/transcriptions "
+                "and /v1/audio/translations)"
+            )
+        if self.tts is not None and name in {self.tts.model_id, *OPENAI_TTS_MODELS}:
+            return "a text-to-speech voice: it speaks text (POST /v1/audio/speech)"
+        for worker in (self.embedder, self.reranker):
+            if worker is not None and worker.info is not None and worker.info.model_id == name:
+                return _side_model(worker.info.is_reranker)
+        return None
 
     def fingerprint(self, model: Model) -> str:
         """OpenAI's `system_fingerprint` for answers of ``model``."""
@@ -246,6 +268,30 @@ def _fingerprint(description: str, path: str, device: str, batch_invariant: bool
         str(batch_invariant),
     )
     return "fp_" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+
+
+def _side_model(reranker: bool) -> str:
+    if reranker:
+        return "a reranking model: it ranks documents (POST /v1/rerank)"
+    return "an embedding model: it embeds text (POST /v1/embeddings)"
+
+
+def not_this_route(name: str, serves: str) -> InvalidRequest:
+    """The 400 for a request that names a model of the listing that does not generate text
+    (``serves``: what it is and does)."""
+    return InvalidRequest(
+        f"The model '{name}' is {serves}; it does not chat or generate text. Name a chat "
+        "model of GET /v1/models for this route.",
+        param="model",
+    )
+
+
+def require_chat(model: Model) -> None:
+    """A generation route's first check: a router mode embedding or reranking model is a
+    400 saying what it does; a server without a chat model, a 501."""
+    if not model.generation and (model.embedder or model.reranker) is not None:
+        raise not_this_route(model.name, _side_model(model.embedder is None))
+    require_generation(model.generation)
 
 
 def check_tools(model: Model, gen: GenerationRequest) -> None:

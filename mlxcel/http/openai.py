@@ -23,12 +23,19 @@ from mlxcel.http import heard, logprobs, media, slot_wire, sse
 from mlxcel.http.anthropic_blocks import model_page
 from mlxcel.http.audio import audio_model_entries
 from mlxcel.http.chat_render import Collected, message, stream_choices
-from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
+from mlxcel.http.context import (
+    Model,
+    ServerContext,
+    check_tools,
+    read_json,
+    require_chat,
+    server,
+)
 from mlxcel.http.embeddings import side_model_entries
 from mlxcel.http.errors import envelope, error_response
 from mlxcel.http.openai_wire import StreamOptions, chat_request, completion_request
 from mlxcel.http.security import key_scope
-from mlxcel.runtime.errors import InvalidRequest, MlxcelError, require_generation
+from mlxcel.runtime.errors import InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot, SlotUpdate
 
@@ -191,7 +198,7 @@ async def chat_completions() -> Response:
     ctx = server()
     raw = await read_json()
     model = await ctx.model(raw)
-    require_generation(model.generation)
+    require_chat(model)
     hears, native_audio = heard.hearing(ctx.stt, ctx.settings.audio_input, model.info.media)
     body, gen = chat_request(
         raw,
@@ -323,7 +330,7 @@ async def completions() -> Response:
     ctx = server()
     raw = await read_json()
     model = await ctx.model(raw)
-    require_generation(model.generation)
+    require_chat(model)
     tok = model.info.tokenizer
     body, gen = completion_request(raw, ctx.settings.sampling, len(tok), tok)
     slot = await start_generation(ctx, model, gen)

@@ -30,7 +30,14 @@ from quart import Blueprint, Response, request
 from mlxcel.actors.session_store import Running, SessionStore
 from mlxcel.actors.stream_sessions import CLOSE_GRACE_S, StreamSession
 from mlxcel.http import heard, sse
-from mlxcel.http.context import Model, ServerContext, check_tools, read_json, server
+from mlxcel.http.context import (
+    Model,
+    ServerContext,
+    check_tools,
+    read_json,
+    require_chat,
+    server,
+)
 from mlxcel.http.openai import count_prompt, start_generation
 from mlxcel.http.responses_output import OutputBuilder, response_object, usage
 from mlxcel.http.responses_wire import (
@@ -48,7 +55,6 @@ from mlxcel.runtime.errors import (
     InvalidRequest,
     MlxcelError,
     NotFound,
-    require_generation,
 )
 from mlxcel.runtime.messages import GenerationRequest
 from mlxcel.runtime.slot import OutputSlot
@@ -282,7 +288,7 @@ async def create() -> Response:
     ctx = server()
     body = parse_body(await read_json())
     model = await ctx.model(body.model)
-    require_generation(model.generation)
+    require_chat(model)
     store = store_of(ctx)
     if body.background and not store.enabled("responses"):
         raise InvalidRequest(STORE_OFF, param="background")
@@ -566,7 +572,7 @@ async def input_tokens() -> Response:
     ctx = server()
     body = parse_body(await read_json())
     model = await ctx.model(body.model)
-    require_generation(model.generation)
+    require_chat(model)
     history, _ = await load_history(store_of(ctx), body)
     items = (
         await _heard(ctx, model, _input(ctx, model, body.input)) if body.input is not None else []

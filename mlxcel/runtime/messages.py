@@ -573,6 +573,22 @@ class Transcription:
     segments: tuple[Segment, ...] = ()
 
 
+# --- speech workers -> http (statistics) -------------------------------------------------------
+
+
+@attrs.frozen
+class AudioWorkerStatistics:
+    """A speech worker's queue at one moment, for /metrics."""
+
+    # Jobs admitted and not yet handed back (queued on the thread or being computed).
+    held: int
+    queue_depth: int
+    # Live voice turns waiting for a place (``admit``), first come first served.
+    waiting: int
+    # Jobs refused with a 503 because the queue was full (``admit_nowait``), since start.
+    refused: int
+
+
 # --- http -> session store --------------------------------------------------------------------
 
 

@@ -22,12 +22,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mlxcel.runtime.messages import SchedulerStatistics
+from mlxcel.runtime.messages import AudioWorkerStatistics, SchedulerStatistics
 
 # llama-server exposes no `_created` series; scrapers comparing the two should see the same set.
 disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_WAIT_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -43,6 +44,8 @@ class _Live(Collector):
         self.in_flight: Callable[[], int] = lambda: 0
         # Per side worker (embedding, rerank): jobs (queued, being computed).
         self.side_jobs: Callable[[], dict[str, tuple[int, int]]] = dict
+        # Per speech worker (speech-to-text, text-to-speech): its queue now.
+        self.audio_jobs: Callable[[], dict[str, AudioWorkerStatistics]] = dict
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.scheduler()
@@ -69,6 +72,23 @@ class _Live(Collector):
             side.add_metric([worker, "queued"], queued)
             side.add_metric([worker, "running"], running)
         yield side
+        audio = GaugeMetricFamily(
+            "mlxcel_audio_jobs",
+            "Speech worker jobs: held (admitted, queued on the worker or computed; at most "
+            "--audio-queue-depth) and waiting (live voice turns in line for a place).",
+            labels=["worker", "state"],
+        )
+        refused = CounterMetricFamily(
+            "mlxcel_audio_refused",
+            "HTTP audio requests refused with 503 because the worker's queue was full.",
+            labels=["worker"],
+        )
+        for worker, w in sorted(self.audio_jobs().items()):
+            audio.add_metric([worker, "held"], w.held)
+            audio.add_metric([worker, "waiting"], w.waiting)
+            refused.add_metric([worker], w.refused)
+        yield audio
+        yield refused
         yield GaugeMetricFamily(
             "mlxcel_batch_size",
             "Sequences (rows: one per choice) in the running batch.",
@@ -195,6 +215,13 @@ class Metrics:
             buckets=_ITL_BUCKETS,
             registry=r,
         )
+        self.audio_wait = Histogram(
+            "mlxcel_audio_wait_seconds",
+            "How long a live voice turn waited for a place at a speech worker (0: one was free).",
+            ["worker"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
         # Running sums behind the average gauges (prometheus counters are write-only).
         self._steps = 0
         self._busy = 0
@@ -211,6 +238,10 @@ class Metrics:
     def _hit_ratio(self) -> None:
         total = self._cached + self._prompt[0]
         self.prompt_cache_hit_ratio.set(self._cached / total if total else 0.0)
+
+    def record_audio_wait(self, worker: str, seconds: float) -> None:
+        """A live voice turn got its place at ``worker`` after ``seconds`` in line."""
+        self.audio_wait.labels(worker).observe(seconds)
 
     def record_drafts(self, proposer: str, proposed: int, accepted: int) -> None:
         self.spec_proposed.labels(proposer).inc(proposed)

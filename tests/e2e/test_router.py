@@ -163,7 +163,40 @@ def test_embedding_and_reranking_models_of_the_list(router: ServerProcess) -> No
         base + "/v1/chat/completions",
         json={"model": "minilm", "messages": [{"role": "user", "content": "Hi"}]},
     )
-    assert r.status_code == 501
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "minilm' is an embedding model" in r.json()["error"]["message"]
+    r = httpx.post(base + "/completion", json={"model": "cross-encoder", "prompt": "Hi"})
+    assert r.status_code == 400 and "is a reranking model" in r.json()["error"]["message"]
+
+
+def test_a_listed_model_that_does_not_chat_is_a_400_saying_what_it_does(
+    router: ServerProcess,
+) -> None:
+    """The speech models are in /v1/models; a chat request naming one is the client's
+    mistake about what the model does (400), not a model that does not exist (404)."""
+    base = router.base_url
+    listed = httpx.get(base + "/v1/models").json()["data"]
+    whisper = next(m["id"] for m in listed if "transcription" in m.get("capabilities", []))
+    voice = next(m["id"] for m in listed if m.get("capabilities") == ["speech"])
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(router, whisper)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "model"
+    assert f"'{whisper}' is a speech-to-text model" in error["message"]
+    assert "/v1/audio/transcriptions" in error["message"]
+    # Its OpenAI alias, the voice, and the Anthropic route: the same 400, in each envelope.
+    with pytest.raises(openai.BadRequestError, match="speech-to-text"):
+        chat(router, "whisper-1")
+    with pytest.raises(openai.BadRequestError, match="text-to-speech voice"):
+        chat(router, voice)
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="speech-to-text"):
+        claude.messages.create(
+            model=whisper, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
+    # A name nobody lists is still a 404.
+    with pytest.raises(openai.NotFoundError):
+        chat(router, "whisper-large-v9")
 
 
 def test_a_third_model_unloads_the_least_recently_used(router: ServerProcess) -> None:

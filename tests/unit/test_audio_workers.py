@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ import trio.testing
 
 from mlxcel.actors.audio.stt import SpeechToText, SttInfo, SttOptions
 from mlxcel.actors.audio.tts import TextToSpeech, TtsInfo
+from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.runtime.errors import InternalError, InvalidRequest, ServerBusy, Timeout
 from mlxcel.runtime.messages import Segment
 
@@ -51,9 +53,9 @@ class FakeWhisper:
             yield Segment(id=i, start=i, end=i + 1, text=f" s{i}", temperature=options.temperature)
 
 
-async def _cancellable(scope: trio.CancelScope, call: Any, *args: Any) -> None:
+async def _cancellable(scope: trio.CancelScope, call: Any, *args: Any, **kwargs: Any) -> None:
     with scope:
-        await call(*args)
+        await call(*args, **kwargs)
 
 
 def audio(seconds: int) -> np.ndarray:
@@ -284,3 +286,157 @@ async def test_the_earliest_deadline_is_spoken_first() -> None:
         assert spoken[:3] == ["Hold", "Long 00000", "First piece"]
         assert spoken.index("Later piece") > spoken.index("Long 00003")
         nursery.cancel_scope.cancel()
+
+
+# --- a live voice turn waits for a place (``wait=True``); the HTTP routes are refused ---------
+
+
+async def test_a_waiting_turn_gets_the_next_place_while_http_is_refused() -> None:
+    gate = threading.Event()
+    whisper = FakeWhisper(gate)
+    waits: list[tuple[str, float]] = []
+    stt = SpeechToText(
+        STT_INFO,
+        lambda: whisper,
+        queue_depth=1,
+        waited=lambda name, seconds: waits.append((name, seconds)),
+    )
+    finished: list[int] = []
+
+    async def turn(seconds: int) -> None:
+        result = await stt.transcribe(audio(seconds), wait=True)
+        assert len(result.segments) == seconds
+        finished.append(seconds)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(turn, 1)
+            await trio.to_thread.run_sync(whisper.decoding.wait, 10)
+            for seconds in (2, 3):  # in line, in this order
+                callers.start_soon(turn, seconds)
+                await trio.testing.wait_all_tasks_blocked()
+            assert stt.statistics().held == 1 and stt.statistics().waiting == 2
+            # An HTTP transcription meets a full queue: 503 as before, counted.
+            with pytest.raises(ServerBusy):
+                await stt.transcribe(audio(1))
+            assert stt.statistics().refused == 1
+            gate.set()
+        # Every turn answered, first come first served.
+        assert finished == [1, 2, 3]
+        assert whisper.started == [1, 2, 3]
+        assert stt.statistics().held == 0 and stt.statistics().waiting == 0
+        # The first had a place at once; the others waited for one.
+        assert [name for name, _ in waits] == ["speech-to-text"] * 3
+        assert waits[0][1] < waits[1][1] and waits[2][1] > 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_turn_cancelled_in_line_leaves_no_job_behind() -> None:
+    gate = threading.Event()
+    whisper = FakeWhisper(gate)
+    stt = SpeechToText(STT_INFO, lambda: whisper, queue_depth=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stt.run)
+        async with trio.open_nursery() as callers:
+            callers.start_soon(stt.transcribe, audio(1))
+            await trio.to_thread.run_sync(whisper.decoding.wait, 10)
+            # A session closes while its turn waits in line.
+            closes = trio.CancelScope()
+            callers.start_soon(partial(_cancellable, closes, stt.transcribe, audio(7), wait=True))
+            await trio.testing.wait_all_tasks_blocked()
+            assert stt.statistics().waiting == 1
+            closes.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert stt.statistics().waiting == 0 and stt.statistics().held == 1
+            gate.set()
+        assert stt.statistics().held == 0
+        # The place it would have had is free: an HTTP request gets it at once.
+        assert (await stt.transcribe(audio(2))).text == "s0 s1"
+        # The 7-second clip was never queued, so never decoded.
+        assert whisper.started == [1, 2]
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("first", ["granted", "cancelled"])
+async def test_a_place_granted_as_its_turn_leaves_goes_to_the_next(first: str) -> None:
+    """The caller at the head of the line leaves in the same instant that a place frees up
+    (either order): the place passes to the next in line, and none is lost or doubled."""
+    worker = AudioWorker(lambda: None, name="speech-to-text", queue_depth=1)
+    worker.admit_nowait(_NoJob())
+    admitted: list[str] = []
+
+    async def turn(name: str, scope: trio.CancelScope) -> None:
+        with scope:
+            await worker.admit(_NoJob(), timeout=60)
+            admitted.append(name)
+            try:
+                await trio.sleep_forever()
+            finally:
+                worker.release()
+
+    leaves, stays = trio.CancelScope(), trio.CancelScope()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(turn, "leaves", leaves)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(turn, "stays", stays)
+        await trio.testing.wait_all_tasks_blocked()
+        assert worker.statistics().waiting == 2
+        if first == "granted":
+            worker.release()
+            leaves.cancel()
+        else:
+            leaves.cancel()
+            worker.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert admitted[-1] == "stays"
+        assert worker.statistics().held == 1 and worker.statistics().waiting == 0
+        stays.cancel()
+    assert worker.statistics().held == 0
+
+
+async def test_the_wait_in_line_is_bounded(autojump_clock: trio.testing.MockClock) -> None:
+    worker = AudioWorker(lambda: None, name="text-to-speech", queue_depth=1)
+    worker.admit_nowait(_NoJob())
+    with pytest.raises(Timeout, match="text-to-speech worker had no place within 5 s"):
+        await worker.admit(_NoJob(), timeout=5)
+    assert worker.statistics().waiting == 0 and worker.statistics().held == 1
+    worker.release()
+    await worker.admit(_NoJob(), timeout=5)  # no one in line: at once
+    assert worker.statistics().held == 1
+
+
+async def test_a_waiting_answer_speaks_once_the_voice_is_free() -> None:
+    voice = FakeVoice()
+    tts = TextToSpeech(TTS_INFO, lambda: voice, queue_depth=1)
+    spoken: list[int] = []
+
+    async def answer() -> None:
+        async for chunk in tts.synthesize("Waited for.", wait=True):
+            spoken.append(len(chunk))
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tts.run)
+        async with contextlib.aclosing(tts.synthesize("One. Two. Three.")) as http:  # type: ignore[type-var]
+            await http.__anext__()  # an HTTP listener holds the only place
+            async with trio.open_nursery() as callers:
+                callers.start_soon(answer)
+                await trio.testing.wait_all_tasks_blocked()
+                assert tts.statistics().waiting == 1 and not spoken
+                with pytest.raises(ServerBusy):  # the HTTP route: 503 as before
+                    await tts.synthesize("Refused.").__anext__()
+                await http.aclose()  # the listener goes: its place passes on
+        assert spoken == [2000]
+        assert tts.statistics().held == 0 and tts.statistics().waiting == 0
+        nursery.cancel_scope.cancel()
+
+
+class _NoJob:
+    cancelled = False
+    deadline = 0.0
+
+    def step(self, backend: object) -> bool:
+        return True
+
+    def fail(self, error: object) -> None:
+        pass

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
+import numpy as np
 import trio
 
 from mlxcel.actors.realtime.events import Item
@@ -14,7 +18,9 @@ from mlxcel.actors.realtime.vad import shared_model
 from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
 from mlxcel.http.realtime_voicechat import VoiceChat
 from mlxcel.http.realtime_wire import RealtimeWire
-from mlxcel.runtime.messages import SamplingParams
+from mlxcel.runtime.errors import ServerBusy, Timeout
+from mlxcel.runtime.messages import GenerationRequest, SamplingParams
+from mlxcel.runtime.slot import AbortBox, OutputSlot, Reservation
 
 
 class StuckClient:
@@ -136,3 +142,107 @@ async def test_deep_or_invalid_unicode_events_are_errors_and_the_session_goes_on
     assert "lone surrogate" in errors[1]["message"] and errors[1]["param"] == "event_id"
     assert any(json.loads(m)["type"] == "session.pong" for m in sent)
     assert client.closed == (1000, "session cancelled")
+
+
+# --- a worker's failure is an error event; the session goes on ---------------------------------
+
+
+class Heard:
+    text = "What is the capital of France?"
+
+
+class Ears:
+    """Speech-to-text that fails its first ``failures`` turns, then hears the question."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.waited: list[bool] = []
+
+    async def transcribe(self, audio: Any, **options: Any) -> Heard:
+        await trio.lowlevel.checkpoint()
+        self.waited.append(options.get("wait", False))
+        if self.failures:
+            self.failures -= 1
+            raise Timeout("The speech-to-text worker did not answer within 120 s.")
+        return Heard()
+
+
+class BrokenVoice(NoVoice):
+    """The voice fails its first sentence the way a full queue used to (ServerBusy, raised
+    inside the answer's nursery), then speaks."""
+
+    def __init__(self) -> None:
+        self.failures = 1
+        self.waited: list[bool] = []
+
+    async def synthesize(self, text: str, **options: Any) -> AsyncIterator[bytes]:
+        await trio.lowlevel.checkpoint()
+        self.waited.append(options.get("wait", False))
+        if self.failures:
+            self.failures -= 1
+            raise ServerBusy()
+        yield b"\x01\x00" * 2205
+
+
+class Answers:
+    def submit(self, request: GenerationRequest) -> OutputSlot:
+        slot = OutputSlot(request.request_id, Reservation(None, None), AbortBox())
+        slot.accept(5)
+        slot.push("Paris is the capital. ", 5)
+        slot.finish("stop")
+        return slot
+
+
+async def test_worker_failures_are_error_events_and_the_session_goes_on() -> None:
+    client = StuckClient()
+    sent: list[dict[str, Any]] = []
+    news = trio.Event()
+
+    async def reads(data: str) -> None:
+        nonlocal news
+        sent.append(json.loads(data))
+        news.set()
+        news = trio.Event()
+
+    async def seen(kind: str, count: int = 1) -> None:
+        while sum(e["type"] == kind for e in sent) < count:
+            await news.wait()
+
+    client.send = reads  # type: ignore[method-assign]
+    ears, voice = Ears(failures=1), BrokenVoice()
+    session = RealtimeSession(
+        RealtimeWire(client, VoiceChat(22_050)),
+        attrs.evolve(deps(1_000_000), generation=Answers(), stt=ears, tts=voice),
+    )
+    audio = base64.b64encode(np.zeros(8000, "<i2").tobytes()).decode()
+    turn = [
+        {"type": "input_audio_buffer.append", "audio": audio},
+        {"type": "input_audio_buffer.commit"},
+    ]
+    update = {"type": "session.update", "session": {"multi_turn": True}}
+    client.inbox_tx.send_nowait(json.dumps(update))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(session.run)
+            # 1: transcription fails; 2: the answer's voice fails; 3: all goes well.
+            for event in turn:
+                client.inbox_tx.send_nowait(json.dumps(event))
+            await seen("error")
+            for event in turn:
+                client.inbox_tx.send_nowait(json.dumps(event))
+            await seen("response.done")
+            for event in turn:
+                client.inbox_tx.send_nowait(json.dumps(event))
+            await seen("response.done", 2)
+            client.inbox_tx.send_nowait(json.dumps({"type": "session.cancel"}))
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["code"] for e in errors] == ["inference_error", "inference_error"]
+    assert "transcription failed" in errors[0]["message"]
+    assert "answer failed" in errors[1]["message"] and "busy" in errors[1]["message"]
+    done = [e["response"]["status"] for e in sent if e["type"] == "response.done"]
+    assert done == ["failed", "completed"]
+    assert any(e["type"] == "response.audio.delta" for e in sent)
+    # Closed by the client, not by an exception (1011).
+    assert client.closed == (1000, "session cancelled")
+    # The session waits for busy workers rather than being refused.
+    assert ears.waited and all(ears.waited) and voice.waited and all(voice.waited)

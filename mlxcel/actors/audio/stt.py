@@ -16,7 +16,7 @@ import trio
 
 from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.runtime.errors import MlxcelError, Timeout
-from mlxcel.runtime.messages import Segment, Transcription, Word
+from mlxcel.runtime.messages import AudioWorkerStatistics, Segment, Transcription, Word
 
 __all__ = [
     "SpeechToText",
@@ -129,10 +129,13 @@ class SpeechToText:
         *,
         queue_depth: int = 8,
         timeout: float = 120.0,
+        waited: Callable[[str, float], None] = lambda name, seconds: None,
     ) -> None:
         self.info = info
         self.timeout = timeout
-        self._worker = AudioWorker(build, name="speech-to-text", queue_depth=queue_depth)
+        self._worker = AudioWorker(
+            build, name="speech-to-text", queue_depth=queue_depth, waited=waited
+        )
 
     @property
     def model_id(self) -> str:
@@ -149,6 +152,9 @@ class SpeechToText:
     @property
     def queued(self) -> int:
         return self._worker.held
+
+    def statistics(self) -> AudioWorkerStatistics:
+        return self._worker.statistics()
 
     def preload(self) -> None:
         """Build the model now rather than on the first request (non-blocking)."""
@@ -168,14 +174,17 @@ class SpeechToText:
         task: Task = "transcribe",
         word_timestamps: bool = False,
         greedy: bool = False,
+        wait: bool = False,
     ) -> Transcription:
         """Transcribe ``audio`` (float32 mono 16 kHz numpy samples), or translate it to English.
 
         ``temperature`` 0 means Whisper's fallback schedule (0, 0.2, ... 1.0, retried when a
         segment decodes badly), as OpenAI documents. Raises ServerBusy (503) when the queue is
-        full, Timeout (504) after ``timeout`` seconds, InvalidRequest (400) for a language the
-        model does not know. On cancellation the job is dropped: before it starts if it is
-        still queued, otherwise after the segment being decoded.
+        full, or with ``wait`` (a live voice turn) waits up to ``timeout`` for a place in line
+        instead; Timeout (504) after ``timeout`` seconds of work (or of waiting);
+        InvalidRequest (400) for a language the model does not know. On cancellation the job
+        is dropped: it leaves the line if it waits for a place, is skipped if it is still
+        queued, and stops after the segment being decoded otherwise.
         """
         options = SttOptions(
             language=language,
@@ -186,7 +195,10 @@ class SpeechToText:
             greedy=greedy,
         )
         job = _TranscribeJob(audio, options)
-        self._worker.admit(job)
+        if wait:
+            await self._worker.admit(job, timeout=self.timeout)
+        else:
+            self._worker.admit_nowait(job)
         try:
             with trio.move_on_after(self.timeout):
                 await job.done.wait()

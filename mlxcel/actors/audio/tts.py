@@ -18,6 +18,7 @@ import trio
 
 from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.runtime.errors import InvalidRequest, MlxcelError, Timeout
+from mlxcel.runtime.messages import AudioWorkerStatistics
 
 __all__ = ["TextToSpeech", "TtsBackend", "TtsInfo", "OPENAI_VOICES"]
 
@@ -125,10 +126,13 @@ class TextToSpeech:
         *,
         queue_depth: int = 8,
         timeout: float = 120.0,
+        waited: Callable[[str, float], None] = lambda name, seconds: None,
     ) -> None:
         self.info = info
         self.timeout = timeout
-        self._worker = AudioWorker(build, name="text-to-speech", queue_depth=queue_depth)
+        self._worker = AudioWorker(
+            build, name="text-to-speech", queue_depth=queue_depth, waited=waited
+        )
 
     @property
     def model_id(self) -> str:
@@ -145,6 +149,9 @@ class TextToSpeech:
     @property
     def queued(self) -> int:
         return self._worker.held
+
+    def statistics(self) -> AudioWorkerStatistics:
+        return self._worker.statistics()
 
     def preload(self) -> None:
         """Build the voice now rather than on the first request (non-blocking)."""
@@ -178,12 +185,14 @@ class TextToSpeech:
         voice: str | None = None,
         speed: float = 1.0,
         deadline: float | None = None,
+        wait: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         """Speak ``text``: PCM16 mono little-endian chunks at ``sample_rate``, one per sentence.
 
         ``voice`` is an OpenAI voice name or one of ``info.voices`` (InvalidRequest otherwise);
         ``speed`` is 0.25..4.0. Raises ServerBusy (503) on the first iteration when the queue
-        is full, and Timeout (504) when the next sentence takes longer than ``timeout``.
+        is full, or with ``wait`` (a live voice answer) waits up to ``timeout`` for a place in
+        line instead; Timeout (504) when the next sentence takes longer than ``timeout``.
         Closing or cancelling the consumer stops synthesis after the sentence in progress:
         iterate inside ``contextlib.aclosing`` (or a nursery that is cancelled) so the
         generator's cleanup runs promptly. ``deadline`` (``AudioWorker.now()`` clock; default
@@ -200,7 +209,10 @@ class TextToSpeech:
             deadline=AudioWorker.now() if deadline is None else deadline,
             sample_rate=self.sample_rate,
         )
-        self._worker.admit(job)
+        if wait:
+            await self._worker.admit(job, timeout=self.timeout)
+        else:
+            self._worker.admit_nowait(job)
         try:
             async with receive:
                 while True:

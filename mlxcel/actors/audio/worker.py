@@ -9,13 +9,21 @@ later by the length of the audio it has produced (speech is played, and a transc
 at that pace). So a long job never makes a short one wait for all of it, and the first sentence
 of a live reply (deadline: now) goes ahead of sentences other voices need only seconds later.
 
-The Trio side admits at most ``queue_depth`` jobs at once (more is ``ServerBusy``, a 503). A
-caller that stops waiting (client gone, timeout, barge-in) marks its job cancelled; the thread
-drops it before its next step.
+The Trio side holds at most ``queue_depth`` jobs at once, in two ways. ``admit_nowait`` (the
+HTTP routes) refuses a job past the depth with ``ServerBusy``, a 503 the client retries.
+``admit`` (a live voice turn, whose user does not repeat a sentence) waits for a place instead,
+first come first served, for at most its ``timeout``: a place that frees up goes to the oldest
+waiter before any new job, so a turn keeps its place in the line, and the HTTP routes meet a
+full queue (503) until the waiters are in. The waiters are bounded by the realtime session cap
+(a session waits for at most two transcriptions, its turn's and an early one, and one sentence
+of speech at a time). A caller that
+stops waiting (client gone, timeout, barge-in) leaves the line or marks its admitted job
+cancelled; the thread drops it before its next step.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -25,7 +33,8 @@ from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from mlxcel.runtime.errors import InternalError, MlxcelError, ServerBusy
+from mlxcel.runtime.errors import InternalError, MlxcelError, ServerBusy, Timeout
+from mlxcel.runtime.messages import AudioWorkerStatistics
 
 log = logging.getLogger(__name__)
 
@@ -65,29 +74,82 @@ class _Preload:
 
 
 class AudioWorker(Generic[B]):
-    def __init__(self, build: Callable[[], B], *, name: str, queue_depth: int) -> None:
+    def __init__(
+        self,
+        build: Callable[[], B],
+        *,
+        name: str,
+        queue_depth: int,
+        waited: Callable[[str, float], None] = lambda name, seconds: None,
+    ) -> None:
         self._build = build
         self.name = name
         self.queue_depth = queue_depth
-        # Unbounded on purpose: ``admit`` bounds it (a job is admitted only under the depth).
+        # Unbounded on purpose: admission bounds it (a job is admitted only under the depth).
         self._tx, self._rx = trio.open_memory_channel[Job[B]](math.inf)
         self.held = 0
+        # Callers of ``admit`` in arrival order; ``release`` hands a place to the first.
+        self._line: collections.deque[trio.Event] = collections.deque()
+        self._refused = 0
+        # Told how long each ``admit`` waited for its place (/metrics).
+        self._waited = waited
         self.loaded = trio.Event()
         self.load_error: MlxcelError | None = None
         self._preloading = False
 
-    def admit(self, job: Job[B]) -> None:
-        """Queue ``job`` (Trio thread); ServerBusy when ``queue_depth`` jobs are held already.
+    def admit_nowait(self, job: Job[B]) -> None:
+        """Queue ``job`` (Trio thread); ServerBusy when ``queue_depth`` jobs are held already
+        or callers of ``admit`` are waiting for a place.
 
         Every admitted job must be handed back with ``release`` once its caller stops waiting.
         """
-        if self.held >= self.queue_depth:
+        if self.held >= self.queue_depth or self._line:
+            self._refused += 1
             raise ServerBusy()
         self.held += 1
         self._tx.send_nowait(job)
 
+    async def admit(self, job: Job[B], *, timeout: float) -> None:  # noqa: ASYNC109 - the wait's bound is the worker's
+        """Queue ``job``, waiting for a place behind the callers already waiting (at most
+        ``timeout`` seconds, then Timeout, a 504). Hand it back with ``release``.
+
+        Cancelled while waiting: the caller leaves the line and nothing is queued (a place
+        granted at that moment goes on to the next in line).
+        """
+        await trio.lowlevel.checkpoint()
+        start = trio.current_time()
+        if self.held < self.queue_depth and not self._line:
+            self.held += 1
+        else:
+            place = trio.Event()
+            self._line.append(place)
+            try:
+                with trio.move_on_after(timeout):
+                    await place.wait()
+            except BaseException:  # cancelled from outside: the caller is gone
+                if place.is_set():
+                    self.release()  # granted as the caller left: it goes to the next
+                else:
+                    self._line.remove(place)
+                raise
+            if not place.is_set():
+                self._line.remove(place)
+                raise Timeout(
+                    f"The {self.name} worker had no place within {timeout:g} s "
+                    "(see --audio-request-timeout-secs)."
+                )
+        self._waited(self.name, trio.current_time() - start)
+        self._tx.send_nowait(job)
+
     def release(self) -> None:
-        self.held -= 1
+        """Hand an admitted job's place back: to the first caller waiting, if any."""
+        if self._line:
+            self._line.popleft().set()  # the place passes on: ``held`` stays
+        else:
+            self.held -= 1
+
+    def statistics(self) -> AudioWorkerStatistics:
+        return AudioWorkerStatistics(self.held, self.queue_depth, len(self._line), self._refused)
 
     def preload(self) -> None:
         """Start building the model now, without a request (no-op once started)."""
