@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from mlxcel.models import gguf_split
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 
@@ -229,15 +230,53 @@ def _metadata(reader: Any) -> dict[str, Any]:
 
 
 def read_gguf(path: Path) -> GgufFile:
-    """The metadata and every tensor of the GGUF file at ``path`` (see the module doc)."""
+    """The metadata and every tensor of the GGUF file at ``path`` (see the module doc); of
+    every part, when ``path`` is one part of a split GGUF (``gguf_split``): the metadata is
+    the first part's, the tensors all of theirs."""
     from gguf import GGUFReader
 
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise UnsupportedModel(f"{path} is not a readable GGUF file: {exc}") from exc
+    readers = []
+    for part in gguf_split.parts(path):
+        try:
+            readers.append(GGUFReader(str(part)))
+        except (ValueError, OSError) as exc:
+            raise UnsupportedModel(f"{part} is not a readable GGUF file: {exc}") from exc
+    metadata = _metadata(readers[0])
+    if len(readers) > 1:
+        _check_split(path, readers)
+        metadata = {k: v for k, v in metadata.items() if not k.startswith("split.")}
     tensors: dict[str, mx.array] = {}
     types: dict[str, str] = {}
+    for reader in readers:
+        _read_tensors(reader, tensors, types)
+    return GgufFile(metadata=metadata, tensors=tensors, types=types)
+
+
+def _check_split(path: Path, readers: list[Any]) -> None:
+    """The parts' own ``split.*`` keys agree with their names and hold every tensor."""
+    for no, reader in enumerate(readers):
+        md = _metadata(reader)
+        if md.get("split.no") == no and md.get("split.count") == len(readers):
+            continue
+        says = (
+            f"says it is part {md['split.no'] + 1} of {md.get('split.count')}"
+            if "split.no" in md
+            else "is no part of a split GGUF"
+        )
+        raise UnsupportedModel(
+            f"{path.name}: part {no + 1} of {len(readers)} {says} (split.no, split.count): "
+            "the parts do not belong together"
+        )
+    expected = _metadata(readers[0]).get("split.tensors.count")
+    held = sum(len(r.tensors) for r in readers)
+    if expected is not None and held != expected:
+        raise UnsupportedModel(
+            f"{path.name}: the {len(readers)} parts hold {held} tensors, the first says "
+            f"{expected} (split.tensors.count)"
+        )
+
+
+def _read_tensors(reader: Any, tensors: dict[str, mx.array], types: dict[str, str]) -> None:
     for t in reader.tensors:
         kind = t.tensor_type.name
         # GGUF lists dimensions innermost first; MLX wants [..., rows, K].
@@ -257,4 +296,3 @@ def read_gguf(path: Path) -> GgufFile:
                 f"GGUF tensor {t.name!r} is stored as {kind}, which is not served "
                 f"(served: {served})"
             )
-    return GgufFile(metadata=_metadata(reader), tensors=tensors, types=types)

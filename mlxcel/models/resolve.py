@@ -27,6 +27,7 @@ from typing import Literal
 
 import attrs
 
+from mlxcel.models import gguf_split
 from mlxcel.models.default import DEFAULT_MODEL_ID, default_gguf_path
 from mlxcel.models.errors import ModelNotFound
 from mlxcel.paths import default_cache_dir
@@ -69,14 +70,20 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedMo
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFound(f"model file {spec!r} is not a .gguf file or a model folder")
-        folder = _cached_conversion(path.resolve(), cache)
-        return ResolvedModel(path=folder, model_id=path.stem, source="gguf")
+        folder = _cached_conversion(_gguf_path(path), cache)
+        return ResolvedModel(path=folder, model_id=gguf_split.base_name(path.name), source="gguf")
     if _looks_like_path(spec):
         raise ModelNotFound(f"model path {spec!r} does not exist")
     hub = _hub_model(spec)
     if hub.suffix == ".gguf":
-        hub = _cached_conversion(hub.resolve(), cache)
+        hub = _cached_conversion(_gguf_path(hub), cache)
     return ResolvedModel(path=hub, model_id=spec, source="hub")
+
+
+def _gguf_path(path: Path) -> Path:
+    """The file to convert: links followed, except for a split GGUF's part, whose siblings
+    are found by name (in the hub cache each part links to a blob named by its hash)."""
+    return path.absolute() if gguf_split.PART.match(path.name) else path.resolve()
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -95,12 +102,14 @@ def _cache_key(gguf: Path) -> str:
     """The file's size and its first and last MiB: what it holds, not when it was written.
     (With the file time in the key, every fresh virtualenv's copy of the same wheel made
     another 100 MB conversion: 17 of them on the CI machine in one day.)"""
-    size = gguf.stat().st_size
-    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{size}:".encode())
-    with gguf.open("rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        digest.update(f.read(1 << 20))
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:".encode())
+    for part in gguf_split.parts(gguf):  # a split GGUF: every part's
+        size = part.stat().st_size
+        digest.update(f"{size}:".encode())
+        with part.open("rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
     return digest.hexdigest()[:12]
 
 
@@ -228,10 +237,6 @@ def _tag_of(name: str, tag: str) -> bool:
     return re.search(rf"(?<![A-Za-z0-9_]){re.escape(tag)}(?![A-Za-z0-9_])", name, re.I) is not None
 
 
-# A split GGUF's parts: name-00001-of-00003.gguf.
-_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)
-
-
 def _choose_gguf(repo_id: str, files: list[str], tag: str | None) -> str:
     ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in f.lower()]
     if not ggufs:
@@ -247,19 +252,14 @@ def _choose_gguf(repo_id: str, files: list[str], tag: str | None) -> str:
         names = ", ".join(sorted(Path(f).name for f in ggufs))
         asked = f"no {tag} file" if tag else f"none of {', '.join(_DEFAULT_TAGS)}; name one"
         raise ModelNotFound(f"hub repo {repo_id!r} has {asked} (it has: {names})")
-    split = _SPLIT.search(found[0])
-    if split:
-        raise ModelNotFound(
-            f"{found[0]!r} in {repo_id!r} is one of {int(split.group(2))} parts of a split GGUF, "
-            "which is not served yet: merge it with llama.cpp's "
-            "`llama-gguf-split --merge` and serve the file"
-        )
+    # Sorted, a split GGUF's first part comes first; _download_gguf fetches the others.
     return found[0]
 
 
 def _download_gguf(repo_id: str, tag: str | None) -> Path:
     """The .gguf file of ``repo_id`` that ``tag`` names (None: the default choice), from the
-    hub cache or fetched alone (a GGUF repository holds one file per quantisation)."""
+    hub cache or fetched alone (a GGUF repository holds one file per quantisation); of a split
+    GGUF, every part, and the first one's path is returned."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
     offline = _hub_offline()
@@ -274,10 +274,15 @@ def _download_gguf(repo_id: str, tag: str | None) -> Path:
     except Exception as exc:  # as in _download: whatever it is, the repo cannot be had
         raise _not_found(repo_id, offline, exc) from exc
     name = _choose_gguf(repo_id, files, tag)
-    try:
-        return Path(hf_hub_download(repo_id, name, local_files_only=offline))
-    except Exception as exc:
-        raise _not_found(f"{repo_id}/{name}", offline, exc) from exc
+    folder = Path(name).parent
+    paths = []
+    for part in gguf_split.part_names(Path(name).name):  # every part of a split GGUF
+        file = str(folder / part) if str(folder) != "." else part
+        try:
+            paths.append(Path(hf_hub_download(repo_id, file, local_files_only=offline)))
+        except Exception as exc:
+            raise _not_found(f"{repo_id}/{file}", offline, exc) from exc
+    return paths[0]
 
 
 def _not_found(what: str, offline: bool, exc: BaseException) -> ModelNotFound:

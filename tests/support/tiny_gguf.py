@@ -421,13 +421,15 @@ MODELS: dict[str, Model] = {
 }
 
 
-def write_tiny_gguf(name: str, path: Path) -> Path:
-    """Write the tiny GGUF ``name`` (a key of MODELS) to ``path``; the path."""
+def write_tiny_gguf(name: str, path: Path, split_max_tensors: int = 0) -> Path:
+    """Write the tiny GGUF ``name`` (a key of MODELS) to ``path``; the path. With
+    ``split_max_tensors``, as a split GGUF of parts holding at most that many tensors each,
+    named as llama.cpp names them (``STEM-00001-of-0000N.gguf``); the first part's path."""
     from gguf import GGUFWriter
 
     model = MODELS[name]
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = GGUFWriter(str(path), model.arch)
+    writer = GGUFWriter(str(path), model.arch, split_max_tensors=split_max_tensors)
     seed = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
     tensors = _Tensors(writer, seed, model.types)
     model.build(writer, tensors)
@@ -438,6 +440,10 @@ def write_tiny_gguf(name: str, path: Path) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_max_tensors:
+        first = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
+        assert first, f"{name}: no parts were written"
+        return first[0]
     return path
 
 

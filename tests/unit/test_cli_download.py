@@ -11,10 +11,8 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 from mlxcel.models.default import default_gguf_path
-from mlxcel.models.errors import ModelNotFound
 from mlxcel.models.resolve import _choose_gguf
 from tests.conftest import REPO, ServerProcess, free_port
 
@@ -148,7 +146,17 @@ def test_a_tagged_gguf_repo_is_served(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_a_split_gguf_is_refused_with_what_to_do() -> None:
-    files = ["big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"]
-    with pytest.raises(ModelNotFound, match="one of 2 parts of a split GGUF.*llama-gguf-split"):
-        _choose_gguf("someone/big-GGUF", files, "Q4_K_M")
+def test_a_split_gguf_is_fetched_whole_and_named_by_its_first_part(tmp_path: Path) -> None:
+    parts = ["big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"]
+    assert (
+        _choose_gguf("someone/big-GGUF", [*reversed(parts), "big-Q8_0.gguf"], "Q4_K_M")
+        == (parts[0])
+    )
+    snapshot = cached_gguf_repo(tmp_path, "someone/big-GGUF", [*parts, "big-Q8_0.gguf"])
+    got = mlxcel("download", "--offline", "someone/big-GGUF:Q4_K_M", hub=tmp_path)
+    assert got.returncode == 0, got.stderr
+    assert Path(got.stdout.strip()) == snapshot / parts[0]
+    # A part missing from the cache: the download names it, as for any missing file.
+    (snapshot / parts[1]).unlink()
+    line = one_line_error(mlxcel("download", "--offline", "someone/big-GGUF:Q4_K_M", hub=tmp_path))
+    assert parts[1] in line and "not in the local hub cache" in line
