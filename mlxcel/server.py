@@ -39,6 +39,7 @@ from mlxcel.drain import CLOSE_MARGIN, drain
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
 from mlxcel.http.inflight import InFlight
+from mlxcel.http.realtime import open_sessions
 from mlxcel.models import blas
 from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.metrics import Metrics
@@ -262,8 +263,12 @@ async def serve(
         metrics.live.audio_jobs = lambda: {
             name: w.statistics() for name, w in speech.items() if w is not None
         }
-        app = InFlight(create_app(ctx, webui=webui), scope=registry.request_scope)
+        quart = create_app(ctx, webui=webui)
+        app = InFlight(quart, scope=registry.request_scope)
         metrics.live.in_flight = lambda: app.active
+        if audio.stt is not None:  # realtime voice needs speech-to-text
+            limit = settings.realtime_max_sessions
+            metrics.live.realtime_sessions = lambda: (open_sessions(quart), limit)
         http_stop = trio.Event()
         http_done = trio.Event()
 

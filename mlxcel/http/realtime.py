@@ -19,7 +19,7 @@ import logging
 
 import attrs
 import trio
-from quart import Blueprint, Response, current_app, websocket
+from quart import Blueprint, Quart, Response, current_app, websocket
 
 from mlxcel.actors.realtime.config import new_id
 from mlxcel.actors.realtime.vad import shared_model
@@ -74,6 +74,12 @@ class SessionGate:
 
     def leave(self) -> None:
         self.open -= 1
+
+
+def open_sessions(app: Quart) -> int:
+    """Realtime sessions open in ``app`` (the Quart app; its gate is made at the first)."""
+    gate: SessionGate | None = app.config.get("MLXCEL_REALTIME")
+    return gate.open if gate is not None else 0
 
 
 def _gate(ctx: ServerContext) -> SessionGate:

@@ -46,6 +46,8 @@ class _Live(Collector):
         self.side_jobs: Callable[[], dict[str, tuple[int, int]]] = dict
         # Per speech worker (speech-to-text, text-to-speech): its queue now.
         self.audio_jobs: Callable[[], dict[str, AudioWorkerStatistics]] = dict
+        # Realtime voice sessions: (open now, --realtime-max-sessions); None without audio.
+        self.realtime_sessions: Callable[[], tuple[int, int] | None] = lambda: None
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.scheduler()
@@ -89,6 +91,18 @@ class _Live(Collector):
             refused.add_metric([worker], w.refused)
         yield audio
         yield refused
+        if (sessions := self.realtime_sessions()) is not None:
+            yield GaugeMetricFamily(
+                "mlxcel_realtime_sessions_open",
+                "Realtime voice sessions open (/v1/realtime WebSockets admitted).",
+                value=sessions[0],
+            )
+            yield GaugeMetricFamily(
+                "mlxcel_realtime_sessions_limit",
+                "Realtime voice sessions admitted at most (--realtime-max-sessions); more are "
+                "refused at open with server_busy (close 1013).",
+                value=sessions[1],
+            )
         yield GaugeMetricFamily(
             "mlxcel_batch_size",
             "Sequences (rows: one per choice) in the running batch.",

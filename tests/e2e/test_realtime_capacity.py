@@ -41,16 +41,23 @@ def crowded(tiny_model_dir: Path) -> Iterator[ServerProcess]:
     server.stop()
 
 
-def audio_metrics(base: str) -> dict[str, dict[tuple[str, ...], float]]:
+def audio_metrics(
+    base: str, prefix: str = "mlxcel_audio"
+) -> dict[str, dict[tuple[str, ...], float]]:
     """The speech workers' families from /metrics: {sample name: {labels: value}}."""
     text = httpx.get(f"{base}/metrics", timeout=30).text
     found: dict[str, dict[tuple[str, ...], float]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name.startswith("mlxcel_audio"):
+        if family.name.startswith(prefix):
             for s in family.samples:
                 key = tuple(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 found.setdefault(s.name, {})[key] = s.value
     return found
+
+
+def session_metrics(base: str) -> dict[str, dict[tuple[str, ...], float]]:
+    """The realtime session gauges from /metrics."""
+    return audio_metrics(base, "mlxcel_realtime")
 
 
 async def test_every_admitted_turn_is_answered_past_capacity(crowded: ServerProcess) -> None:
@@ -78,8 +85,16 @@ async def test_every_admitted_turn_is_answered_past_capacity(crowded: ServerProc
             events = await until_done(c)
             outcomes.append(("admitted", events, await c.closed()))
 
+    crowd: dict[str, dict[tuple[str, ...], float]] = {}
+
+    async def watch() -> None:
+        # While the admitted sessions are open (their turns take seconds): the gauge says so.
+        await all_opened.wait()
+        crowd.update(await trio.to_thread.run_sync(session_metrics, crowded.base_url))
+
     with trio.fail_after(240):
         async with trio.open_nursery() as n:
+            n.start_soon(watch)
             for _ in range(CLIENTS):
                 n.start_soon(client)
 
@@ -110,6 +125,11 @@ async def test_every_admitted_turn_is_answered_past_capacity(crowded: ServerProc
     assert at_once < waits[stt], "no turn waited: the test did not crowd the worker"
     assert m["mlxcel_audio_jobs"][("state=waiting", "worker=speech-to-text")] == 0
     assert m["mlxcel_audio_refused_total"][stt] == 0
+    # Sessions open against the cap, during the crowd and after it.
+    assert crowd["mlxcel_realtime_sessions_open"][()] == CAP
+    assert crowd["mlxcel_realtime_sessions_limit"][()] == CAP
+    after = await trio.to_thread.run_sync(session_metrics, crowded.base_url)
+    assert after["mlxcel_realtime_sessions_open"][()] == 0
 
 
 async def until_done(c: Client) -> list[dict[str, Any]]:
