@@ -14,6 +14,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.actors.model_runner.speculation import (
+    FIRST_SAMPLES,
     MAX_ROWS,
     Choice,
     NgramIndex,
@@ -104,11 +105,28 @@ def test_never_with_more_rows_than_the_cap_or_without_a_plain_step_measured() ->
 
 def test_a_step_cost_moves_little_on_an_outlier() -> None:
     costs = StepCosts()
-    costs.started(1, 1, 0.0)
-    costs.started(1, 1, 0.1)
-    costs.started(1, 1, 10.1)  # a 10 s pause counts as at most twice the estimate
+    clock = 0.0
+    for _ in range(FIRST_SAMPLES + 2):  # steps of 0.1 s, timed
+        costs.started(1, 1, clock)
+        clock += 0.1
+    costs.started(1, 1, clock)
+    costs.started(1, 1, clock + 10.0)  # a 10 s pause counts as at most twice the estimate
     estimate = costs.estimate(1, 1)
     assert estimate is not None and 0.1 < estimate < 0.121
+
+
+def test_a_slow_first_step_does_not_price_the_shape() -> None:
+    # The first plain step after a prompt timed the prompt's evaluation too (0.42 s against
+    # 0.02 s): taken as the cost, it made every proposal look cheap for the rest of the row.
+    costs = StepCosts()
+    costs.started(1, 1, 0.0)
+    costs.started(1, 1, 0.42)
+    costs.started(1, 1, 0.44)
+    assert costs.estimate(1, 1) == pytest.approx(0.02)
+    # Time in which prompts were read is not a step's (the batch calls idle for it).
+    costs.idle()
+    costs.started(1, 1, 5.0)
+    assert costs.estimate(1, 1) == pytest.approx(0.02)
 
 
 def test_acceptance_forgets_old_evidence() -> None:

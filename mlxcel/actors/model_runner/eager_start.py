@@ -83,6 +83,10 @@ class PrimedGenerationBatch(GenerationBatch):
         source.samplers, source.logits_processors, source.max_tokens = [], [], []
         return batch
 
+    def interrupted(self) -> None:
+        """The time between this step and the next is not all decoding: prompts are read in
+        it. Nothing here; a speculating batch stops timing that interval as a step."""
+
     def reported_early(self, i: int) -> bool:
         """Whether row ``i``'s current input is a token already reported (eager start): it is
         not in the row's tokens yet, nor has the row's logits processors' context seen it."""
@@ -313,6 +317,8 @@ class EagerStartBatchGenerator(BatchGenerator):
         self._budget = budget if budget is not None else PrefillBudget(share=1.0)
         self._urgent = urgent
         self._full_chunk = self.prefill_step_size
+        # Rows joined the generation batch in the last step (see ``_next``).
+        self._joined = False
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         # mlx-lm's remove lists the generation batch's rows as range(len(batch)).
@@ -341,8 +347,16 @@ class EagerStartBatchGenerator(BatchGenerator):
         )
         counters = compat.counters(self)
         decode0, tokens0 = counters.decode_time, counters.prompt_tokens
+        generating = compat.generation_batch(self)
+        if waiting:
+            generating.interrupted()  # prompts may be read before this step's decode
         tic = time.perf_counter()
         prompt_responses, generation_responses = super()._next()
+        if counters.prompt_tokens > tokens0 or self._joined:
+            # ... or were read after it, or joined just before it (the first step of a
+            # joined row also evaluates what its prompt left lazy).
+            generating.interrupted()
+        self._joined = bool(started) or bool(prompt_responses)
         self._start_read_rows(prompt_responses)
         decode = counters.decode_time - decode0
         budget.decoded(decode)

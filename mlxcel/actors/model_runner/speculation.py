@@ -38,6 +38,8 @@ MAX_ROWS = 8
 # costs a host sync, ~5% of a one-row step here); it looks again every PROBE_EVERY steps.
 MIN_GAIN = 1.05
 PROBE_EVERY = 8
+# A step shape's first timings: the fastest of them is its cost (see StepCosts._learn).
+FIRST_SAMPLES = 3
 
 
 class NgramIndex:
@@ -133,6 +135,7 @@ class StepCosts:
 
     def __init__(self) -> None:
         self._ema: dict[tuple[int, int], float] = {}
+        self._seen: dict[tuple[int, int], int] = {}
         self._last: tuple[tuple[int, int], float] | None = None
 
     def started(self, rows: int, width: int, now: float) -> None:
@@ -148,8 +151,14 @@ class StepCosts:
 
     def _learn(self, key: tuple[int, int], seconds: float) -> None:
         old = self._ema.get(key)
-        if old is None:
-            self._ema[key] = seconds
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if old is None or seen <= FIRST_SAMPLES:
+            # The first steps of a shape are the likeliest outliers, and only ever slow ones
+            # (a prompt's lazy evaluation, a first allocation): the fastest of them stands.
+            # Taken as it came, one first plain step of 0.42 s against 0.02 s later made
+            # every proposal look cheap, and since every step then looked at its pending
+            # token, no plain step was timed again to correct it.
+            self._ema[key] = seconds if old is None else min(old, seconds)
             return
         sample = min(max(seconds, 0.5 * old), 2.0 * old)
         self._ema[key] = 0.8 * old + 0.2 * sample
