@@ -70,20 +70,16 @@ def resolve_model(spec: str | None, cache_dir: Path | None = None) -> ResolvedMo
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFound(f"model file {spec!r} is not a .gguf file or a model folder")
-        folder = _cached_conversion(_gguf_path(path), cache)
+        folder = _cached_conversion(path.absolute(), cache)
         return ResolvedModel(path=folder, model_id=gguf_split.base_name(path.name), source="gguf")
     if _looks_like_path(spec):
         raise ModelNotFound(f"model path {spec!r} does not exist")
     hub = _hub_model(spec)
     if hub.suffix == ".gguf":
-        hub = _cached_conversion(_gguf_path(hub), cache)
+        # Not resolved: in the hub cache a file links to a blob named by its hash, and a split
+        # GGUF's parts are found beside the first by name.
+        hub = _cached_conversion(hub.absolute(), cache)
     return ResolvedModel(path=hub, model_id=spec, source="hub")
-
-
-def _gguf_path(path: Path) -> Path:
-    """The file to convert: links followed, except for a split GGUF's part, whose siblings
-    are found by name (in the hub cache each part links to a blob named by its hash)."""
-    return path.absolute() if gguf_split.PART.match(path.name) else path.resolve()
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -275,14 +271,14 @@ def _download_gguf(repo_id: str, tag: str | None) -> Path:
         raise _not_found(repo_id, offline, exc) from exc
     name = _choose_gguf(repo_id, files, tag)
     folder = Path(name).parent
-    paths = []
+    got = []
     for part in gguf_split.part_names(Path(name).name):  # every part of a split GGUF
-        file = str(folder / part) if str(folder) != "." else part
+        file = (folder / part).as_posix()
         try:
-            paths.append(Path(hf_hub_download(repo_id, file, local_files_only=offline)))
+            got.append(Path(hf_hub_download(repo_id, file, local_files_only=offline)))
         except Exception as exc:
             raise _not_found(f"{repo_id}/{file}", offline, exc) from exc
-    return paths[0]
+    return got[0]  # ``name`` itself: the first part, or the only file
 
 
 def _not_found(what: str, offline: bool, exc: BaseException) -> ModelNotFound:
