@@ -16,6 +16,7 @@ from mlxcel.actors.model_runner import sampler_chain
 from mlxcel.actors.model_runner.speculation import (
     FIRST_SAMPLES,
     MAX_ROWS,
+    PROBE_EVERY,
     Choice,
     NgramIndex,
     Policy,
@@ -283,3 +284,68 @@ def test_a_new_row_starts_from_the_server_s_recent_record() -> None:
     assert policy.choose(4, [(RowStats(), 8)] * 4).width > 0  # even odds: worth a try
     assert policy.choose(4, [(RowStats(prior=0.2), 8)] * 4).width == 0
     assert RowStats(prior=0.2).rate == pytest.approx(0.2)
+
+
+# -- whether looking pays -----------------------------------------------------------------------
+
+
+def _looking(found: float, accepted: int, checked: int) -> RowStats:
+    s = _stats(accepted, checked)
+    s.looks, s.found = 10.0, 10.0 * found
+    return s
+
+
+def _one_row_costs(policy: Policy) -> None:
+    # One row of the default model here: a plain step 19 ms, one that looked and decoded
+    # plainly 22 ms (the host sync loses the overlap), verifying 1 / 3 / 7 extra tokens more.
+    _costs(policy, 1, 1, 0.019)
+    _costs(policy, 1, 0, 0.022)
+    for width, seconds in ((2, 0.024), (3, 0.030), (5, 0.045), (9, 0.075), (17, 0.085)):
+        _costs(policy, 1, width, seconds)
+
+
+def test_free_writing_does_not_look_at_its_pending_token() -> None:
+    """Half the looks find nothing and a quarter of what is proposed is right: a look costs
+    more than it brings, so the row decodes plainly (probing every PROBE_EVERY steps)."""
+    policy = Policy(16)
+    _one_row_costs(policy)
+    free = _looking(found=0.5, accepted=10, checked=40)
+    assert policy.gain_of_looking(1, [free]) < 1.0
+    looks = []
+    for _ in range(2 * PROBE_EVERY):
+        looks.append(policy.worth_looking(1, [free]))
+        if looks[-1]:
+            free.idle = 0  # as the batch does when it looks
+    assert looks.count(True) == 2 and looks[PROBE_EVERY - 1]
+
+
+def test_a_copying_row_looks_every_step() -> None:
+    policy = Policy(16)
+    _one_row_costs(policy)
+    copy = _looking(found=1.0, accepted=60, checked=62)
+    assert policy.gain_of_looking(1, [copy]) > 2
+    assert all(policy.worth_looking(1, [copy]) for _ in range(2 * PROBE_EVERY))
+
+
+def test_looks_are_counted_and_forgotten() -> None:
+    stats = RowStats()
+    assert stats.found_rate == pytest.approx(0.5)  # even odds before any look
+    for _ in range(20):
+        stats.looked(found=False)
+    assert stats.found_rate < 0.2
+    for _ in range(20):
+        stats.looked(found=True)
+    assert stats.found_rate > 0.8
+
+
+def test_after_a_look_the_plain_step_compared_is_the_looked_one() -> None:
+    """Once the pending token has been fetched, the sync is paid: a proposal is weighed
+    against a plain step after a look (width 0), which costs more than one without."""
+    row = [(_stats(0, 3), 1)]  # right a fifth of the time (the prior counted)
+    for looked, width in ((0.019, 0), (0.023, 1)):
+        policy = Policy(1)  # proposals of one token
+        _costs(policy, 1, 1, 0.019)
+        _costs(policy, 1, 2, 0.024)
+        _costs(policy, 1, 0, looked)
+        # 1.2 tokens for 24 ms: not against 1 for 19 ms, but against 1 for 23
+        assert policy.choose(1, row).width == width

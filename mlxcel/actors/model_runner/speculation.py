@@ -19,6 +19,13 @@ runs, never from constants tuned on one machine:
 ``Policy.width`` picks the proposal length with the most expected tokens per second, counting
 each row's expected accepted tokens (``sum(a**m)`` for an acceptance rate ``a``), against the
 step without speculation.
+
+Looking costs too: a proposal needs the pending token on the host, and that sync loses the
+overlap of the next step's graph building with the current one's compute (at one row of the
+default model a step that looked and then decoded plainly costs ~1.2x one that did not look).
+So whether to look at all is priced on its own (``Policy.gain_of_looking``): how often a look
+finds a proposal (``RowStats.found_rate``; in free writing about half the looks find none),
+what a looked-at plain step costs (width 0 in ``StepCosts``), against the plain step.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ MAX_ROWS = 8
 # costs a host sync, ~5% of a one-row step here); it looks again every PROBE_EVERY steps.
 MIN_GAIN = 1.05
 PROBE_EVERY = 8
+# What a look at the pending token is guessed to add to a plain step until one is timed.
+LOOK_GUESS = 0.1
 # A step shape's first timings: the fastest of them is its cost (see StepCosts._learn).
 FIRST_SAMPLES = 3
 
@@ -94,6 +103,10 @@ class RowStats:
     checked: float = 0.0
     # Steps since the row last looked at its pending token (see PROBE_EVERY).
     idle: int = 0
+    # Recent looks at the row's pending token, and those that found a proposal (weighted as
+    # the checks are; the prior, even odds, counts as two looks).
+    looks: float = 0.0
+    found: float = 0.0
     # Lifetime counts, for the request's timings.
     proposed_n: int = 0
     accepted_n: int = 0
@@ -117,6 +130,15 @@ class RowStats:
         self.accepted_n += accepted
         self.accepted = self.accepted * self.decay + accepted
         self.checked = self.checked * self.decay + accepted + (1 if accepted < proposed else 0)
+
+    @property
+    def found_rate(self) -> float:
+        """The chance that a look at the pending token finds something to propose."""
+        return (self.found + 1.0) / (self.looks + 2.0)
+
+    def looked(self, found: bool) -> None:
+        self.looks = self.looks * self.decay + 1.0
+        self.found = self.found * self.decay + (1.0 if found else 0.0)
 
     def expected(self, width: int) -> float:
         """Tokens expected beyond the one every step gives, from a proposal of ``width``."""
@@ -164,11 +186,12 @@ class StepCosts:
         self._ema[key] = 0.8 * old + 0.2 * sample
 
     def estimate(self, rows: int, width: int) -> float | None:
-        """What such a step costs; None while nothing is known of ``rows`` rows.
+        """What such a step costs; None while nothing is known of ``rows`` rows. Width 0 is
+        a step that looked at its pending token and then decoded plainly.
 
         Before a width has been tried, it is priced from the plain step: each extra token a
-        row feeds adds 5% per row (about what one row pays here for 8 extra tokens); the
-        measured cost replaces that after one step.
+        row feeds adds 5% per row (about what one row pays here for 8 extra tokens), and a
+        look alone LOOK_GUESS; the measured cost replaces that after one step.
         """
         base = self._ema.get((rows, 1))
         if base is None:
@@ -176,6 +199,8 @@ class StepCosts:
         known = self._ema.get((rows, width))
         if known is not None:
             return known
+        if width == 0:
+            return base * (1.0 + LOOK_GUESS)
         return base * (1.0 + 0.05 * (width - 1) * rows)
 
 
@@ -194,27 +219,56 @@ class Policy:
         self.costs = StepCosts()
 
     def worth_looking(self, rows: int, stats: list[RowStats | None]) -> bool:
-        """Whether any row could pay for a look at its pending token (a host sync).
+        """Whether looking at the rows' pending tokens (a host sync) is expected to pay.
 
-        ``stats`` has None for rows that cannot speculate (grammar, penalties, ...).
+        ``stats`` has None for rows that cannot speculate (grammar, penalties, ...). A row
+        for which it does not still looks every PROBE_EVERY steps, to notice a change (a
+        copy starting).
         """
         if rows > MAX_ROWS or self.max_tokens <= 0:
             return False
-        best = self.choose(rows, [(s, self.max_tokens) for s in stats if s is not None])
-        if best.width > 0 and best.gain >= MIN_GAIN:
+        live = [s for s in stats if s is not None]
+        if self.gain_of_looking(rows, live) >= MIN_GAIN:
             return True
         probe = False
-        for s in stats:
-            if s is not None:
-                s.idle += 1
-                if s.idle >= PROBE_EVERY:
-                    probe = True
+        for s in live:
+            s.idle += 1
+            if s.idle >= PROBE_EVERY:
+                probe = True
         return probe
 
-    def choose(self, rows: int, proposals: list[tuple[RowStats, int]]) -> Choice:
-        """The width with the most expected tokens per second; ``proposals`` pairs each row
-        that has one with its length (rows without one just decode)."""
+    def gain_of_looking(self, rows: int, stats: list[RowStats]) -> float:
+        """Expected tokens per second of a step that looks, against one that does not.
+
+        A look finds a proposal for each row with its ``found_rate``; if any row has one the
+        step verifies at the best width, else it decodes plainly having paid for the look.
+        One stream of free writing here: half the looks find nothing, the rest are right a
+        quarter of the time, and a look costs ~3 ms of a ~19 ms step: it does not pay, where
+        pricing only the proposals that were found said it did (0.85x the plain speed).
+        """
         plain = self.costs.estimate(rows, 1)
+        looked = self.costs.estimate(rows, 0)
+        if plain is None or looked is None or not stats:
+            return 0.0
+        none = 1.0
+        for s in stats:
+            none *= 1.0 - s.found_rate
+        best = 0.0
+        for width in self.widths:
+            cost = self.costs.estimate(rows, width + 1)
+            if cost is None:
+                continue
+            tokens = rows + sum(s.found_rate * s.expected(width) for s in stats)
+            seconds = (1.0 - none) * cost + none * looked
+            best = max(best, (tokens / seconds) / (rows / plain))
+        return best
+
+    def choose(self, rows: int, proposals: list[tuple[RowStats, int]]) -> Choice:
+        """The width with the most expected tokens per second once the pending tokens have
+        been looked at; ``proposals`` pairs each row that has one with its length (rows
+        without one just decode). The look is paid by then: the alternative is a plain step
+        after a look (width 0), not one without."""
+        plain = self.costs.estimate(rows, 0)
         if plain is None or not proposals or rows > MAX_ROWS:
             return Choice(0, 1.0)
         # A width must promise MIN_GAIN, not just more than 1: the estimates are noisy, and

@@ -156,8 +156,8 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             ],
         )
         if choice.width == 0:
-            # A plain step after a host sync: not what a plain step costs.
-            policy.costs.idle()
+            # A plain step after a host sync: priced on its own (what looking costs).
+            policy.costs.started(rows, 0, now)
             return super()._emit()
         policy.costs.started(rows, choice.width + 1, now)
         proposals = [p[: choice.width] for p in proposals]
@@ -175,6 +175,7 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             state.index.extend(tokens[state.fed :] + [pending[i]])
             state.fed = len(tokens) + 1
             proposal, order = state.index.propose(self._room(i))
+            state.stats.looked(bool(proposal))
             state.current, state.order = None, order
             if proposal:
                 state.current = state.orders.get(order)
@@ -197,6 +198,8 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             if state is None or not width or not rooms[i]:
                 proposals.append([])
                 continue
+            # A draft model always has something to propose.
+            state.stats.looked(True)
             if state.draft is None:
                 state.draft = draft.row()
             history = [*self.tokens[i], pending[i]]
