@@ -65,11 +65,16 @@ void bf16mm_rows_avx2(const Bf16Args& a, const float* xT, int Mp, int n0, int n1
 // (4 inputs of 16 rows per 64 bytes), d [Mp/16][K/32][16] (each block's scale, max|x| / 127),
 // sums [Mp/16][K/group_size][16] (each weight group's sum of the quantised x, d * sum(xq) over
 // its blocks, for the biases). Rows M..Mp are zero. Only kernels_vnni.cpp reads or writes them.
+// `nibbles`: within each 32-input block, the even inputs come first, then the odd ones (the
+// order in which 4-bit weights unpack fastest: qmm_rows_vnni with 4 bits wants it, the
+// columns kernel does not). A block's integer dot product is exact in any order, so the
+// results are the same bits either way.
 struct Int8Rows {
   int8_t* xq;
   float* d;
   float* sums;
   int Mp;  // rows rounded up to 16
+  bool nibbles = false;
 };
 void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Rows& xr);
 // Columns [n0, n1) of out for every row; callers cut column ranges at multiples of kVnniCols.
