@@ -21,19 +21,22 @@ typed server events in the session's vocabulary, so no JSON is read here.
 
 Bounds: the input buffer holds at most ``max_buffer_seconds`` of uncommitted audio (an append
 beyond it is refused with an error); at most ``MAX_PENDING_JOBS`` turns wait to be answered;
-the outbox holds at most ``max_outbox_bytes`` (a client that falls that far behind is
-disconnected with 1008 rather than slowing anyone else). A turn that finds the speech workers
-busy waits in line for them (``wait=True``: bounded by --audio-request-timeout-secs, see
-``actors/audio/worker.py``) rather than being refused, and a server error in a transcription or
-an answer is an ``error`` event: the session goes on. Cancellation of ``run`` (the client went
-away, the server stops) aborts the running answer, leaves any line it waits in, and returns.
+the outbox holds at most ``max_outbox_bytes`` (a client that falls that far behind is closed
+with 1008 rather than slowing anyone else), and a send the client does not take within
+``send_timeout`` seconds hangs the connection up (a client that reads nothing cannot even be
+sent a close frame). A turn that finds the speech workers busy waits in line for them
+(``wait=True``: bounded by --audio-request-timeout-secs, see ``actors/audio/worker.py``) rather
+than being refused, and a server error in a transcription or an answer is an ``error`` event:
+the session goes on. Cancellation of ``run`` (the client went away, the server stops) aborts
+the running answer, leaves any line it waits in, and returns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, Protocol, TypeVar, cast
 
 import attrs
@@ -46,7 +49,7 @@ from mlxcel.actors.realtime.answer import fit_context
 from mlxcel.actors.realtime.audio import Resampler
 from mlxcel.actors.realtime.config import SessionConfig, new_id
 from mlxcel.actors.realtime.machine import SessionMachine
-from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
+from mlxcel.actors.realtime.outbox import Outbox
 from mlxcel.actors.realtime.vad import SileroModel, VadStream
 from mlxcel.runtime.errors import MlxcelError
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams
@@ -68,6 +71,11 @@ class Transport(Protocol):
     def render(self, event: ev.ServerEvent, samples_in: int) -> list[dict[str, Any]]: ...
     async def send(self, data: str) -> None: ...
     async def close(self, code: int, reason: str) -> None: ...
+
+    def hang_up(self) -> bool:
+        """Drop the connection now, without a close frame (the writer blocked in ``send``
+        then returns). False where the server offers no way to."""
+        ...
 
 
 class SpeechToText(Protocol):
@@ -119,6 +127,9 @@ class VoiceDeps:
     vad_limiter: trio.CapacityLimiter
     max_buffer_seconds: float = 120.0
     max_outbox_bytes: int = 8 * 1024 * 1024
+    # Seconds one send (or the close) may wait for the client to take it before the
+    # connection is hung up (--realtime-send-timeout-secs).
+    send_timeout: float = 10.0
     # Prompt tokens of a request, rendered and encoded as generation will (blocking: called
     # in a thread), and the context window; without them no truncation happens.
     count_tokens: Callable[[GenerationRequest], int] | None = None
@@ -145,6 +156,21 @@ class RealtimeSession:
         # Cancel scopes of early transcriptions (by token) and of answers (by response id).
         self._early: dict[int, trio.CancelScope] = {}
         self._answers: dict[str, trio.CancelScope] = {}
+        # When the send under way must be done by (inf: none is): the stall guard's clock.
+        self._send_deadline = math.inf
+        # Why the server ended the session for its client's sake: "outgoing_backlog" (the
+        # outbox overflowed) or "send_timeout" (a send stalled); None otherwise.
+        self.dropped: str | None = None
+
+    @property
+    def input_bytes(self) -> int:
+        """Uncommitted input audio held (float32 samples)."""
+        return self.machine.buffer.samples * 4
+
+    @property
+    def output_bytes(self) -> int:
+        """Outgoing events queued, not yet handed to the socket."""
+        return self._out.pending_bytes
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -152,31 +178,28 @@ class RealtimeSession:
         """Serve the session until it closes (client, timeout, cap) or is cancelled.
 
         Cancellation aborts the running answer (its generation is aborted at the next step)
-        and returns without closing the WebSocket (the caller owns it).
+        and returns without closing the WebSocket (the caller owns it); a send stuck on a
+        client that reads nothing is hung up first, after at most ``send_timeout``.
         """
         self._apply(self.machine.start())
-        try:
-            async with trio.open_nursery() as n:
-                self._nursery = n
-                n.start_soon(self._writer)
-                n.start_soon(self._reader)
-        except* OutboxOverflow as group:
-            log.warning("realtime %s dropped: %s", self.id, group.exceptions[0])
-            with trio.move_on_after(1) as s:
-                s.shield = True
-                await self._t.close(1008, "client too slow: outgoing queue overflow")
+        done = trio.Event()
+        async with trio.open_nursery() as guarded:
+            guarded.start_soon(self._stall_guard, done)
+            try:
+                async with trio.open_nursery() as n:
+                    self._nursery = n
+                    n.start_soon(self._writer)
+                    n.start_soon(self._reader)
+            finally:
+                done.set()
+        if self._out.overflowed:
+            self.dropped = self.dropped or "outgoing_backlog"
+            log.warning("realtime %s: client too slow, outgoing queue overflowed", self.id)
 
     def shut_down(self) -> None:
         """The server is stopping: end the running answer, say why, then close 1001 (going
         away). Sync and idempotent; called from outside the session's nursery."""
-        overflowed = False
-        for action in self.machine.feed(ev.ShutDown()):
-            if isinstance(action, ev.Send) and overflowed:
-                continue
-            try:
-                self._apply([action])
-            except OutboxOverflow:
-                overflowed = True  # the client is too far behind to read it: the close is all
+        self._apply(self.machine.feed(ev.ShutDown()))
 
     def _voice_error(self, voice: str | None) -> str | None:
         try:
@@ -278,14 +301,60 @@ class RealtimeSession:
             item = await self._out.get()
             if isinstance(item, tuple):
                 code, reason = item
-                with trio.move_on_after(5):
+                with self._sending(), trio.move_on_after(5):
                     await self._t.close(code, reason)
                 assert self._nursery is not None
                 self._nursery.cancel_scope.cancel()
                 return
             if item.first_of_piece is not None and item.response_id is not None:
                 self._feed(ev.Written(item.response_id, item.first_of_piece))
-            await self._t.send(item.text)
+            with self._sending():
+                await self._t.send(item.text)
+
+    @contextlib.contextmanager
+    def _sending(self) -> Iterator[None]:
+        self._send_deadline = trio.current_time() + self._deps.send_timeout
+        try:
+            yield
+        finally:
+            self._send_deadline = math.inf
+
+    async def _stall_guard(self, done: trio.Event) -> None:
+        """Hang up on a client that takes no send within ``send_timeout``; return once the
+        session's tasks are done.
+
+        Shielded: the server's WebSocket send cannot be cancelled while the client's window is
+        full (Hypercorn writes in a shielded scope), so a session cancelled by the client's
+        departure or the server's shutdown may still be waiting in it, and only the hang-up
+        ends that wait.
+        """
+        with trio.CancelScope(shield=True):
+            while not done.is_set():
+                now = trio.current_time()
+                if now >= self._send_deadline:
+                    self._hang_up()
+                    return
+                # A send that starts meanwhile is due within send_timeout of now.
+                with trio.move_on_at(min(self._send_deadline, now + self._deps.send_timeout)):
+                    await done.wait()
+
+    def _hang_up(self) -> None:
+        self.dropped = "send_timeout"
+        timeout = self._deps.send_timeout
+        if self._t.hang_up():
+            log.warning(
+                "realtime %s: client took no data for %g s, connection dropped", self.id, timeout
+            )
+        else:
+            log.warning(
+                "realtime %s: client took no data for %g s; the server cannot drop the "
+                "connection, the session ends when the client goes",
+                self.id,
+                timeout,
+            )
+        self._out.close(1008, "client too slow: send timed out")
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
     # --- speech to text ----------------------------------------------------------------------
 

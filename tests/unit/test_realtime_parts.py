@@ -10,7 +10,7 @@ import pytest
 
 from mlxcel.actors.realtime.audio import AudioFormatError, InputBuffer, decode_pcm16, resample
 from mlxcel.actors.realtime.config import ProtocolError
-from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
+from mlxcel.actors.realtime.outbox import OVERFLOW, Outbox
 from mlxcel.actors.realtime.sentences import SentenceSplitter
 from mlxcel.actors.realtime.vad import VadStream, shared_model
 from mlxcel.http.realtime_openai import OpenAIRealtime
@@ -59,18 +59,26 @@ def test_a_piece_without_punctuation_is_cut_at_a_word() -> None:
     assert pieces and all(len(p) <= 40 for p in pieces)
 
 
-async def test_outbox_overflows_instead_of_blocking_and_purges_a_response() -> None:
+async def test_outbox_purges_a_response() -> None:
     box = Outbox(max_bytes=200)
     box.put({"type": "a"})
     box.put({"type": "audio", "delta": "x" * 40}, response_id="r1", first_of_piece=0)
     box.put({"type": "audio", "delta": "y" * 40}, response_id="r1", first_of_piece=1)
-    with pytest.raises(OutboxOverflow):
-        box.put({"type": "big", "delta": "z" * 200})
     assert box.purge("r1") == {0, 1}
     box.close(1000, "bye")
     first = await box.get()
     assert not isinstance(first, tuple) and first.payload == {"type": "a"}
     assert await box.get() == (1000, "bye")
+
+
+async def test_an_overflowing_outbox_drops_its_events_and_closes_1008() -> None:
+    box = Outbox(max_bytes=200)
+    box.put({"type": "a"})
+    box.put({"type": "big", "delta": "z" * 200})  # never blocks, never raises
+    assert box.overflowed and box.pending_bytes == 0
+    box.put({"type": "after"})  # dropped: the box is closing
+    box.close(1000, "bye")  # the overflow's close stands
+    assert await box.get() == OVERFLOW == (1008, "client too slow: outgoing queue overflow")
 
 
 def test_pcm16_decoding_rejects_bad_base64_and_odd_lengths() -> None:
