@@ -26,9 +26,10 @@ with 1008 rather than slowing anyone else), and a send the client does not take 
 ``send_timeout`` seconds hangs the connection up (a client that reads nothing cannot even be
 sent a close frame). A turn that finds the speech workers busy waits in line for them
 (``wait=True``: bounded by --audio-request-timeout-secs, see ``actors/audio/worker.py``) rather
-than being refused, and a server error in a transcription or an answer is an ``error`` event:
-the session goes on. Cancellation of ``run`` (the client went away, the server stops) aborts
-the running answer, leaves any line it waits in, and returns.
+than being refused, and any failure in a turn (a worker's error, or an unexpected exception in
+speech detection, transcription, generation or speech) is an ``error`` event: the session goes
+on. Cancellation of ``run`` (the client went away, the server stops) aborts the running answer,
+leaves any line it waits in, and returns.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from mlxcel.actors.realtime.config import SessionConfig, new_id
 from mlxcel.actors.realtime.machine import SessionMachine
 from mlxcel.actors.realtime.outbox import Outbox
 from mlxcel.actors.realtime.vad import SileroModel, VadStream
-from mlxcel.runtime.errors import MlxcelError
+from mlxcel.runtime.errors import InternalError, MlxcelError
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams
 from mlxcel.runtime.slot import OutputSlot
 
@@ -293,7 +294,11 @@ class RealtimeSession:
         vad = self._vad
         assert vad is not None
         audio = pcm.astype(np.float32) / 32768.0
-        found = await trio.to_thread.run_sync(vad.feed, audio, limiter=self._deps.vad_limiter)
+        try:
+            found = await trio.to_thread.run_sync(vad.feed, audio, limiter=self._deps.vad_limiter)
+        except Exception as error:  # noqa: BLE001 - this audio goes unheard; the session lives
+            self._feed(ev.DetectionFailed(_fault(self.id, "speech detection", error).message))
+            return
         self._feed(ev.SpeechDetected(tuple(found), trio.current_time()))
 
     async def _writer(self) -> None:
@@ -366,6 +371,8 @@ class RealtimeSession:
                 text = str(result.text).strip()
         except MlxcelError:
             pass  # the turn, if it ends, transcribes itself and reports the error
+        except Exception as error:  # noqa: BLE001 - as above, once logged
+            _fault(self.id, "early transcription", error)
         finally:
             self._early.pop(start.token, None)
             self._feed(ev.EarlyTranscribed(start.token, text))
@@ -373,10 +380,16 @@ class RealtimeSession:
     async def _transcribe(self, job: ev.Transcribe) -> None:
         try:
             result = await self._stt(job.audio, job.language, job.prompt)
+            text = str(result.text).strip()
         except MlxcelError as error:
             self._feed(ev.Transcribed(job.item_id, None, error.message))
             return
-        self._feed(ev.Transcribed(job.item_id, str(result.text).strip()))
+        except Exception as error:  # noqa: BLE001 - fails this turn only (an error event)
+            self._feed(
+                ev.Transcribed(job.item_id, None, _fault(self.id, "transcription", error).message)
+            )
+            return
+        self._feed(ev.Transcribed(job.item_id, text))
 
     async def _stt(self, audio: np.ndarray, language: str | None, prompt: str | None) -> Any:
         return await self._deps.stt.transcribe(
@@ -393,7 +406,8 @@ class RealtimeSession:
         """One answer, reported as it goes. Cancelled (barge-in, the session ends): its
         generation is aborted and its speech stops; the machine hears ``ResponseEnded``.
         A server error (generation's or the voice's, raised alone or from the answer's
-        nursery) fails this answer only: the session reports it and goes on."""
+        nursery), or any unexpected exception, fails this answer only: the session reports it
+        and goes on."""
         rid = start.response_id
         outcome = ev.ResponseEnded(rid, "cancelled")
         try:
@@ -404,6 +418,9 @@ class RealtimeSession:
                 except* MlxcelError as failed:
                     error = _first(failed)
                     log.warning("realtime %s: answer %s failed: %s", self.id, rid, error.message)
+                    outcome = ev.ResponseEnded(rid, "failed", error.error_type, error.message)
+                except* Exception as failed:
+                    error = _fault(self.id, f"answer {rid}", failed)
                     outcome = ev.ResponseEnded(rid, "failed", error.error_type, error.message)
         finally:
             del self._answers[rid]
@@ -469,6 +486,16 @@ class RealtimeSession:
                         pcm = resampler.push(pcm)
                     self._feed(ev.Synthesized(rid, pcm, AudioWorker.now()))
             self._feed(ev.PieceDone(rid))
+
+
+def _fault(session: str, what: str, error: BaseException) -> MlxcelError:
+    """An unexpected exception in a turn, logged with its traceback, as the error the client
+    is told of (its type only: the message may hold anything)."""
+    log.error("realtime %s: %s failed unexpectedly", session, what, exc_info=error)
+    leaf: BaseException = error
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return InternalError(f"internal error ({type(leaf).__name__})")
 
 
 def _first(group: BaseExceptionGroup[MlxcelError]) -> MlxcelError:

@@ -1,6 +1,6 @@
 """A realtime session with a fake transport: a client that stops reading is hung up once a send
 waits past the send timeout, one that reads too slowly is closed 1008 once its outgoing queue
-is full, and a worker's failure inside a turn does not end the session."""
+is full, and no failure inside a turn ends the session."""
 
 from __future__ import annotations
 
@@ -249,48 +249,58 @@ class Answers:
         return slot
 
 
+class ReadingClient(StuckClient):
+    """Reads every event; a test can wait until it has seen some kind of event."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[dict[str, Any]] = []
+        self._news = trio.Event()
+
+    async def send(self, data: str) -> None:
+        self.events.append(json.loads(data))
+        self._news.set()
+        self._news = trio.Event()
+
+    async def seen(self, kind: str, count: int = 1) -> None:
+        while sum(e["type"] == kind for e in self.events) < count:
+            await self._news.wait()
+
+    def queue(self, event: dict[str, Any]) -> None:
+        self.inbox_tx.send_nowait(json.dumps(event))
+
+    def queue_turn(self) -> None:
+        """Half a second of audio, committed (the fake ears hear the question in it)."""
+        audio = base64.b64encode(np.zeros(8000, "<i2").tobytes()).decode()
+        self.queue({"type": "input_audio_buffer.append", "audio": audio})
+        self.queue({"type": "input_audio_buffer.commit"})
+
+
+async def talk(session: RealtimeSession, client: ReadingClient, *, answers: int) -> None:
+    """A multi-turn session: a first turn that ends in an error event, then ``answers`` turns
+    that each end with their response.done, then the client cancels the session."""
+    client.queue({"type": "session.update", "session": {"multi_turn": True}})
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(session.run)
+            client.queue_turn()
+            await client.seen("error")
+            for answered in range(1, answers + 1):
+                client.queue_turn()
+                await client.seen("response.done", answered)
+            client.queue({"type": "session.cancel"})
+
+
 async def test_worker_failures_are_error_events_and_the_session_goes_on() -> None:
-    client = StuckClient()
-    sent: list[dict[str, Any]] = []
-    news = trio.Event()
-
-    async def reads(data: str) -> None:
-        nonlocal news
-        sent.append(json.loads(data))
-        news.set()
-        news = trio.Event()
-
-    async def seen(kind: str, count: int = 1) -> None:
-        while sum(e["type"] == kind for e in sent) < count:
-            await news.wait()
-
-    client.send = reads  # type: ignore[method-assign]
+    client = ReadingClient()
+    sent = client.events
     ears, voice = Ears(failures=1), BrokenVoice()
     session = RealtimeSession(
         RealtimeWire(client, VoiceChat(22_050)),
         attrs.evolve(deps(1_000_000), generation=Answers(), stt=ears, tts=voice),
     )
-    audio = base64.b64encode(np.zeros(8000, "<i2").tobytes()).decode()
-    turn = [
-        {"type": "input_audio_buffer.append", "audio": audio},
-        {"type": "input_audio_buffer.commit"},
-    ]
-    update = {"type": "session.update", "session": {"multi_turn": True}}
-    client.inbox_tx.send_nowait(json.dumps(update))
-    with trio.fail_after(10):
-        async with trio.open_nursery() as n:
-            n.start_soon(session.run)
-            # 1: transcription fails; 2: the answer's voice fails; 3: all goes well.
-            for event in turn:
-                client.inbox_tx.send_nowait(json.dumps(event))
-            await seen("error")
-            for event in turn:
-                client.inbox_tx.send_nowait(json.dumps(event))
-            await seen("response.done")
-            for event in turn:
-                client.inbox_tx.send_nowait(json.dumps(event))
-            await seen("response.done", 2)
-            client.inbox_tx.send_nowait(json.dumps({"type": "session.cancel"}))
+    # 1: transcription fails; 2: the answer's voice fails; 3: all goes well.
+    await talk(session, client, answers=2)
     errors = [e["error"] for e in sent if e["type"] == "error"]
     assert [e["code"] for e in errors] == ["inference_error", "inference_error"]
     assert "transcription failed" in errors[0]["message"]
@@ -303,3 +313,93 @@ async def test_worker_failures_are_error_events_and_the_session_goes_on() -> Non
     # The session waits for busy workers rather than being refused.
     assert ears.waited and all(ears.waited) and voice.waited and all(voice.waited)
 
+
+# --- an unexpected exception in a turn is an error event too (never close 1011) ----------------
+
+
+class CrashingEars(Ears):
+    """Speech-to-text whose first turn meets a bug (a plain exception, not a worker error)."""
+
+    async def transcribe(self, audio: Any, **options: Any) -> Heard:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("bug in the transcription path")
+        return await super().transcribe(audio, **options)
+
+
+class CrackedVoice(NoVoice):
+    """A voice whose first sentence comes out as an odd number of bytes (numpy refuses it)."""
+
+    def __init__(self) -> None:
+        self.failures = 1
+
+    async def synthesize(self, text: str, **options: Any) -> AsyncIterator[bytes]:
+        await trio.lowlevel.checkpoint()
+        if self.failures:
+            self.failures -= 1
+            yield b"\x01"
+            return
+        yield b"\x01\x00" * 2205
+
+
+async def test_unexpected_exceptions_in_a_turn_are_error_events_and_the_session_goes_on() -> None:
+    client = ReadingClient()
+    sent = client.events
+    counted = 0
+
+    def count_tokens(request: GenerationRequest) -> int:
+        nonlocal counted
+        counted += 1
+        if counted == 2:  # the second answer's context fitting meets a bug
+            raise KeyError("bug in the prompt path")
+        return 10
+
+    session = RealtimeSession(
+        RealtimeWire(client, VoiceChat(22_050)),
+        attrs.evolve(
+            deps(1_000_000),
+            generation=Answers(),
+            stt=CrashingEars(failures=1),
+            tts=CrackedVoice(),
+            count_tokens=count_tokens,
+            context_length=4096,
+        ),
+    )
+    # 1: transcription crashes; 2: the voice's audio; 3: fitting the context; 4: fine.
+    await talk(session, client, answers=3)
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [e["code"] for e in errors] == ["inference_error"] * 3
+    assert errors[0]["message"] == "transcription failed: internal error (RuntimeError)"
+    assert errors[1]["message"] == "answer failed: internal error (ValueError)"
+    assert errors[2]["message"] == "answer failed: internal error (KeyError)"
+    done = [e["response"]["status"] for e in sent if e["type"] == "response.done"]
+    assert done == ["failed", "failed", "completed"]
+    assert client.closed == (1000, "session cancelled")
+
+
+class BrokenDetector:
+    """A VAD model that fails on every window."""
+
+    def run(self, *args: Any) -> Any:
+        raise RuntimeError("onnxruntime failed")
+
+
+async def test_a_failing_speech_detector_is_an_error_event_and_the_session_goes_on() -> None:
+    client = ReadingClient()
+    session = RealtimeSession(
+        RealtimeWire(client, VoiceChat(22_050)),
+        attrs.evolve(deps(100_000), vad_model=BrokenDetector),
+    )
+    client.queue({"type": "session.update", "session": {"turn_detection": {"type": "server_vad"}}})
+    audio = base64.b64encode(np.zeros(8000, "<i2").tobytes()).decode()
+    client.queue({"type": "input_audio_buffer.append", "audio": audio})  # meets the detector
+    client.queue({"type": "session.ping"})
+    client.queue({"type": "session.cancel"})
+    with trio.fail_after(10):
+        await session.run()
+    errors = [e["error"] for e in client.events if e["type"] == "error"]
+    assert [e["message"] for e in errors] == [
+        "speech detection failed: internal error (RuntimeError)"
+    ]
+    assert any(e["type"] == "session.pong" for e in client.events)
+    assert client.closed == (1000, "session cancelled")

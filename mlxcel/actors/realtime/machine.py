@@ -147,6 +147,8 @@ class SessionMachine:
                 self._timed_out(now)
             case ev.SpeechDetected(found, now):
                 self._guard(self._detected, found, now)
+            case ev.DetectionFailed(message):
+                self._error("inference_error", f"speech detection failed: {message}")
             case ev.EarlyTranscribed(token, text):
                 self._early_done(token, text)
             case ev.Transcribed(item_id, text, error):
