@@ -14,7 +14,7 @@ import numpy as np
 import trio
 
 from mlxcel.actors.realtime.events import Item
-from mlxcel.actors.realtime.machine import MAX_HISTORY_ITEMS
+from mlxcel.actors.realtime.machine import MAX_HISTORY_CHARS, MAX_HISTORY_ITEMS
 from mlxcel.actors.realtime.vad import shared_model
 from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
 from mlxcel.http.realtime_voicechat import VoiceChat
@@ -173,6 +173,22 @@ async def test_a_long_conversation_forgets_its_oldest_quarter_at_once() -> None:
     for i in range(drop - 1):  # no further drop until the cap is passed again
         session.remember(Item(f"later_{i}", "user", "q"))
     assert len(session.history) == MAX_HISTORY_ITEMS
+
+
+async def test_a_conversation_of_long_typed_items_is_bounded_in_characters() -> None:
+    # Typed items may each be as long as a WebSocket message: the text is capped too, and
+    # past the cap the oldest items go until a quarter of it is free.
+    wire = RealtimeWire(StuckClient(), VoiceChat(22_050))
+    session = RealtimeSession(wire, deps(max_outbox_bytes=2000)).machine
+    third = "x" * (MAX_HISTORY_CHARS * 3 // 10)
+    for i in range(3):
+        session.remember(Item(f"item_{i}", "user", third))
+    assert len(session.history) == 3
+    session.remember(Item("item_3", "user", third))
+    assert [i.id for i in session.history] == ["item_2", "item_3"]
+    # One item over the cap by itself stays, alone: the newest turn is never forgotten.
+    session.remember(Item("huge", "user", "y" * (MAX_HISTORY_CHARS + 1)))
+    assert [i.id for i in session.history] == ["huge"]
 
 
 async def test_deep_or_invalid_unicode_events_are_errors_and_the_session_goes_on() -> None:
