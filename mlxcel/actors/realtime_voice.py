@@ -20,7 +20,8 @@ The transport (``http/realtime_wire.py``) parses client events into typed messag
 typed server events in the session's vocabulary, so no JSON is read here.
 
 Bounds: the input buffer holds at most ``max_buffer_seconds`` of uncommitted audio (an append
-beyond it is refused with an error); at most ``MAX_PENDING_JOBS`` turns wait to be answered;
+beyond it is refused with an error), and input audio is read at most ``INPUT_SPEED`` times real
+time after a burst of that much; at most ``MAX_PENDING_JOBS`` turns wait to be answered;
 the outbox holds at most ``max_outbox_bytes`` (a client that falls that far behind is closed
 with 1008 rather than slowing anyone else), and a send the client does not take within
 ``send_timeout`` seconds hangs the connection up (a client that reads nothing cannot even be
@@ -47,7 +48,7 @@ import trio
 from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.actors.realtime import events as ev
 from mlxcel.actors.realtime.answer import fit_context
-from mlxcel.actors.realtime.audio import Resampler
+from mlxcel.actors.realtime.audio import InputPace, Resampler
 from mlxcel.actors.realtime.config import SessionConfig, new_id
 from mlxcel.actors.realtime.machine import SessionMachine
 from mlxcel.actors.realtime.outbox import Outbox
@@ -59,6 +60,10 @@ from mlxcel.runtime.slot import OutputSlot
 log = logging.getLogger(__name__)
 
 A = TypeVar("A", bound=ev.Action)
+
+# Input audio is read at most this many times real time, after a burst of a full input buffer
+# (``InputPace``): well above a microphone's 1x or a 10x replay, well below a flood.
+INPUT_SPEED = 20.0
 
 
 class Transport(Protocol):
@@ -152,6 +157,7 @@ class RealtimeSession:
             voice_error=self._voice_error,
         )
         self._out = Outbox(deps.max_outbox_bytes)
+        self._pace = InputPace(INPUT_SPEED, deps.max_buffer_seconds, trio.current_time())
         self._vad: VadStream | None = None
         self._nursery: trio.Nursery | None = None
         # Cancel scopes of early transcriptions (by token) and of answers (by response id).
@@ -289,6 +295,9 @@ class RealtimeSession:
             for action in self._feed(ev.Received(message, trio.current_time())):
                 assert isinstance(action, ev.DetectSpeech)
                 await self._detect(action.pcm)
+            if isinstance(message, ev.AppendAudio):
+                rate = message.sample_rate or self.machine.cfg.input_rate
+                await trio.sleep(self._pace.take(message.pcm.size / rate, trio.current_time()))
 
     async def _detect(self, pcm: np.ndarray) -> None:
         vad = self._vad

@@ -8,7 +8,13 @@ import base64
 import numpy as np
 import pytest
 
-from mlxcel.actors.realtime.audio import AudioFormatError, InputBuffer, decode_pcm16, resample
+from mlxcel.actors.realtime.audio import (
+    AudioFormatError,
+    InputBuffer,
+    InputPace,
+    decode_pcm16,
+    resample,
+)
 from mlxcel.actors.realtime.config import ProtocolError
 from mlxcel.actors.realtime.outbox import OVERFLOW, Outbox
 from mlxcel.actors.realtime.sentences import SentenceSplitter
@@ -87,6 +93,19 @@ def test_pcm16_decoding_rejects_bad_base64_and_odd_lengths() -> None:
         decode_pcm16("@@@")
     with pytest.raises(AudioFormatError, match="even byte count"):
         decode_pcm16(base64.b64encode(b"\x01\x02\x03").decode())
+
+
+def test_input_audio_is_paced_after_a_burst() -> None:
+    pace = InputPace(speed=20, burst_seconds=120, now=0.0)
+    assert pace.take(120, now=0.0) == 0  # a full buffer's worth at once
+    assert pace.take(20, now=0.0) == 1.0  # then 20x real time: 20 s of audio wait 1 s
+    assert pace.take(20, now=2.0) == 0.0  # that second was waited; the next came in time
+    # A microphone (1x) and a replay at 10x are never held back.
+    for speed in (1, 10):
+        pace, now = InputPace(speed=20, burst_seconds=120, now=0.0), 0.0
+        for _ in range(10_000):
+            now += 0.08 / speed
+            assert pace.take(0.08, now) == 0
 
 
 def test_input_buffer_is_capped() -> None:
