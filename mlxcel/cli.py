@@ -668,6 +668,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=d.realtime_max_sessions,
         help="realtime voice WebSocket sessions open at once; more get server_busy and close 1013",
     )
+    opt(
+        "--realtime-send-timeout-secs",
+        env="MLXCEL_REALTIME_SEND_TIMEOUT_SECS",
+        type=float,
+        default=d.realtime_send_timeout_secs,
+        help="seconds a realtime voice client may leave an outgoing event untaken (it stopped "
+        "reading) before its connection is dropped",
+    )
     g = d.sampling
     for flags, env, kind, default, what in (
         (("--temp",), "TEMP", float, g.temperature, "temperature"),
@@ -974,6 +982,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--audio-queue-depth": args.audio_queue_depth >= 1,
         "--audio-request-timeout-secs": args.audio_request_timeout_secs > 0,
         "--realtime-max-sessions": args.realtime_max_sessions >= 1,
+        "--realtime-send-timeout-secs": args.realtime_send_timeout_secs > 0,
         "--distributed-timeout": args.distributed_timeout > 0,
     }
     for flag, ok in checks.items():
@@ -1078,6 +1087,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         audio_queue_depth=args.audio_queue_depth,
         audio_request_timeout_secs=args.audio_request_timeout_secs,
         realtime_max_sessions=args.realtime_max_sessions,
+        realtime_send_timeout_secs=args.realtime_send_timeout_secs,
     )
 
 

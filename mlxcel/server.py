@@ -38,8 +38,9 @@ from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.drain import CLOSE_MARGIN, drain
 from mlxcel.http.app import create_app
 from mlxcel.http.context import ServerContext
+from mlxcel.http.hangup import Hangups
 from mlxcel.http.inflight import InFlight
-from mlxcel.http.realtime import open_sessions
+from mlxcel.http.realtime import realtime_statistics
 from mlxcel.models import blas
 from mlxcel.runtime.lora import LoraTable
 from mlxcel.runtime.metrics import Metrics
@@ -264,11 +265,11 @@ async def serve(
             name: w.statistics() for name, w in speech.items() if w is not None
         }
         quart = create_app(ctx, webui=webui)
-        app = InFlight(quart, scope=registry.request_scope)
+        app = InFlight(Hangups(quart), scope=registry.request_scope)
         metrics.live.in_flight = lambda: app.active
         if audio.stt is not None:  # realtime voice needs speech-to-text
             limit = settings.realtime_max_sessions
-            metrics.live.realtime_sessions = lambda: (open_sessions(quart), limit)
+            metrics.live.realtime_sessions = lambda: realtime_statistics(quart, limit)
         http_stop = trio.Event()
         http_done = trio.Event()
 

@@ -20,20 +20,25 @@ The transport (``http/realtime_wire.py``) parses client events into typed messag
 typed server events in the session's vocabulary, so no JSON is read here.
 
 Bounds: the input buffer holds at most ``max_buffer_seconds`` of uncommitted audio (an append
-beyond it is refused with an error); at most ``MAX_PENDING_JOBS`` turns wait to be answered;
-the outbox holds at most ``max_outbox_bytes`` (a client that falls that far behind is
-disconnected with 1008 rather than slowing anyone else). A turn that finds the speech workers
-busy waits in line for them (``wait=True``: bounded by --audio-request-timeout-secs, see
-``actors/audio/worker.py``) rather than being refused, and a server error in a transcription or
-an answer is an ``error`` event: the session goes on. Cancellation of ``run`` (the client went
-away, the server stops) aborts the running answer, leaves any line it waits in, and returns.
+beyond it is refused with an error), and input audio is read at most ``INPUT_SPEED`` times real
+time after a burst of that much; at most ``MAX_PENDING_JOBS`` turns wait to be answered;
+the outbox holds at most ``max_outbox_bytes`` (a client that falls that far behind is closed
+with 1008 rather than slowing anyone else), and a send the client does not take within
+``send_timeout`` seconds hangs the connection up (a client that reads nothing cannot even be
+sent a close frame). A turn that finds the speech workers busy waits in line for them
+(``wait=True``: bounded by --audio-request-timeout-secs, see ``actors/audio/worker.py``) rather
+than being refused, and any failure in a turn (a worker's error, or an unexpected exception in
+speech detection, transcription, generation or speech) is an ``error`` event: the session goes
+on. Cancellation of ``run`` (the client went away, the server stops) aborts the running answer,
+leaves any line it waits in, and returns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, Protocol, TypeVar, cast
 
 import attrs
@@ -43,18 +48,22 @@ import trio
 from mlxcel.actors.audio.worker import AudioWorker
 from mlxcel.actors.realtime import events as ev
 from mlxcel.actors.realtime.answer import fit_context
-from mlxcel.actors.realtime.audio import Resampler
+from mlxcel.actors.realtime.audio import InputPace, Resampler
 from mlxcel.actors.realtime.config import SessionConfig, new_id
 from mlxcel.actors.realtime.machine import SessionMachine
-from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
+from mlxcel.actors.realtime.outbox import Outbox
 from mlxcel.actors.realtime.vad import SileroModel, VadStream
-from mlxcel.runtime.errors import MlxcelError
+from mlxcel.runtime.errors import InternalError, MlxcelError
 from mlxcel.runtime.messages import GenerationRequest, SamplingParams
 from mlxcel.runtime.slot import OutputSlot
 
 log = logging.getLogger(__name__)
 
 A = TypeVar("A", bound=ev.Action)
+
+# Input audio is read at most this many times real time, after a burst of a full input buffer
+# (``InputPace``): well above a microphone's 1x or a 10x replay, well below a flood.
+INPUT_SPEED = 20.0
 
 
 class Transport(Protocol):
@@ -68,6 +77,11 @@ class Transport(Protocol):
     def render(self, event: ev.ServerEvent, samples_in: int) -> list[dict[str, Any]]: ...
     async def send(self, data: str) -> None: ...
     async def close(self, code: int, reason: str) -> None: ...
+
+    def hang_up(self) -> bool:
+        """Drop the connection now, without a close frame (the writer blocked in ``send``
+        then returns). False where the server offers no way to."""
+        ...
 
 
 class SpeechToText(Protocol):
@@ -119,6 +133,9 @@ class VoiceDeps:
     vad_limiter: trio.CapacityLimiter
     max_buffer_seconds: float = 120.0
     max_outbox_bytes: int = 8 * 1024 * 1024
+    # Seconds one send (or the close) may wait for the client to take it before the
+    # connection is hung up (--realtime-send-timeout-secs).
+    send_timeout: float = 10.0
     # Prompt tokens of a request, rendered and encoded as generation will (blocking: called
     # in a thread), and the context window; without them no truncation happens.
     count_tokens: Callable[[GenerationRequest], int] | None = None
@@ -140,11 +157,27 @@ class RealtimeSession:
             voice_error=self._voice_error,
         )
         self._out = Outbox(deps.max_outbox_bytes)
+        self._pace = InputPace(INPUT_SPEED, deps.max_buffer_seconds, trio.current_time())
         self._vad: VadStream | None = None
         self._nursery: trio.Nursery | None = None
         # Cancel scopes of early transcriptions (by token) and of answers (by response id).
         self._early: dict[int, trio.CancelScope] = {}
         self._answers: dict[str, trio.CancelScope] = {}
+        # When the send under way must be done by (inf: none is): the stall guard's clock.
+        self._send_deadline = math.inf
+        # Why the server ended the session for its client's sake: "outgoing_backlog" (the
+        # outbox overflowed) or "send_timeout" (a send stalled); None otherwise.
+        self.dropped: str | None = None
+
+    @property
+    def input_bytes(self) -> int:
+        """Uncommitted input audio held (float32 samples)."""
+        return self.machine.buffer.samples * 4
+
+    @property
+    def output_bytes(self) -> int:
+        """Outgoing events queued, not yet handed to the socket."""
+        return self._out.pending_bytes
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -152,31 +185,28 @@ class RealtimeSession:
         """Serve the session until it closes (client, timeout, cap) or is cancelled.
 
         Cancellation aborts the running answer (its generation is aborted at the next step)
-        and returns without closing the WebSocket (the caller owns it).
+        and returns without closing the WebSocket (the caller owns it); a send stuck on a
+        client that reads nothing is hung up first, after at most ``send_timeout``.
         """
         self._apply(self.machine.start())
-        try:
-            async with trio.open_nursery() as n:
-                self._nursery = n
-                n.start_soon(self._writer)
-                n.start_soon(self._reader)
-        except* OutboxOverflow as group:
-            log.warning("realtime %s dropped: %s", self.id, group.exceptions[0])
-            with trio.move_on_after(1) as s:
-                s.shield = True
-                await self._t.close(1008, "client too slow: outgoing queue overflow")
+        done = trio.Event()
+        async with trio.open_nursery() as guarded:
+            guarded.start_soon(self._stall_guard, done)
+            try:
+                async with trio.open_nursery() as n:
+                    self._nursery = n
+                    n.start_soon(self._writer)
+                    n.start_soon(self._reader)
+            finally:
+                done.set()
+        if self._out.overflowed:
+            self.dropped = self.dropped or "outgoing_backlog"
+            log.warning("realtime %s: client too slow, outgoing queue overflowed", self.id)
 
     def shut_down(self) -> None:
         """The server is stopping: end the running answer, say why, then close 1001 (going
         away). Sync and idempotent; called from outside the session's nursery."""
-        overflowed = False
-        for action in self.machine.feed(ev.ShutDown()):
-            if isinstance(action, ev.Send) and overflowed:
-                continue
-            try:
-                self._apply([action])
-            except OutboxOverflow:
-                overflowed = True  # the client is too far behind to read it: the close is all
+        self._apply(self.machine.feed(ev.ShutDown()))
 
     def _voice_error(self, voice: str | None) -> str | None:
         try:
@@ -265,12 +295,19 @@ class RealtimeSession:
             for action in self._feed(ev.Received(message, trio.current_time())):
                 assert isinstance(action, ev.DetectSpeech)
                 await self._detect(action.pcm)
+            if isinstance(message, ev.AppendAudio):
+                rate = message.sample_rate or self.machine.cfg.input_rate
+                await trio.sleep(self._pace.take(message.pcm.size / rate, trio.current_time()))
 
     async def _detect(self, pcm: np.ndarray) -> None:
         vad = self._vad
         assert vad is not None
         audio = pcm.astype(np.float32) / 32768.0
-        found = await trio.to_thread.run_sync(vad.feed, audio, limiter=self._deps.vad_limiter)
+        try:
+            found = await trio.to_thread.run_sync(vad.feed, audio, limiter=self._deps.vad_limiter)
+        except Exception as error:  # noqa: BLE001 - this audio goes unheard; the session lives
+            self._feed(ev.DetectionFailed(_fault(self.id, "speech detection", error).message))
+            return
         self._feed(ev.SpeechDetected(tuple(found), trio.current_time()))
 
     async def _writer(self) -> None:
@@ -278,14 +315,60 @@ class RealtimeSession:
             item = await self._out.get()
             if isinstance(item, tuple):
                 code, reason = item
-                with trio.move_on_after(5):
+                with self._sending(), trio.move_on_after(5):
                     await self._t.close(code, reason)
                 assert self._nursery is not None
                 self._nursery.cancel_scope.cancel()
                 return
             if item.first_of_piece is not None and item.response_id is not None:
                 self._feed(ev.Written(item.response_id, item.first_of_piece))
-            await self._t.send(item.text)
+            with self._sending():
+                await self._t.send(item.text)
+
+    @contextlib.contextmanager
+    def _sending(self) -> Iterator[None]:
+        self._send_deadline = trio.current_time() + self._deps.send_timeout
+        try:
+            yield
+        finally:
+            self._send_deadline = math.inf
+
+    async def _stall_guard(self, done: trio.Event) -> None:
+        """Hang up on a client that takes no send within ``send_timeout``; return once the
+        session's tasks are done.
+
+        Shielded: the server's WebSocket send cannot be cancelled while the client's window is
+        full (Hypercorn writes in a shielded scope), so a session cancelled by the client's
+        departure or the server's shutdown may still be waiting in it, and only the hang-up
+        ends that wait.
+        """
+        with trio.CancelScope(shield=True):
+            while not done.is_set():
+                now = trio.current_time()
+                if now >= self._send_deadline:
+                    self._hang_up()
+                    return
+                # A send that starts meanwhile is due within send_timeout of now.
+                with trio.move_on_at(min(self._send_deadline, now + self._deps.send_timeout)):
+                    await done.wait()
+
+    def _hang_up(self) -> None:
+        self.dropped = "send_timeout"
+        timeout = self._deps.send_timeout
+        if self._t.hang_up():
+            log.warning(
+                "realtime %s: client took no data for %g s, connection dropped", self.id, timeout
+            )
+        else:
+            log.warning(
+                "realtime %s: client took no data for %g s; the server cannot drop the "
+                "connection, the session ends when the client goes",
+                self.id,
+                timeout,
+            )
+        self._out.close(1008, "client too slow: send timed out")
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
     # --- speech to text ----------------------------------------------------------------------
 
@@ -297,6 +380,8 @@ class RealtimeSession:
                 text = str(result.text).strip()
         except MlxcelError:
             pass  # the turn, if it ends, transcribes itself and reports the error
+        except Exception as error:  # noqa: BLE001 - as above, once logged
+            _fault(self.id, "early transcription", error)
         finally:
             self._early.pop(start.token, None)
             self._feed(ev.EarlyTranscribed(start.token, text))
@@ -304,10 +389,16 @@ class RealtimeSession:
     async def _transcribe(self, job: ev.Transcribe) -> None:
         try:
             result = await self._stt(job.audio, job.language, job.prompt)
+            text = str(result.text).strip()
         except MlxcelError as error:
             self._feed(ev.Transcribed(job.item_id, None, error.message))
             return
-        self._feed(ev.Transcribed(job.item_id, str(result.text).strip()))
+        except Exception as error:  # noqa: BLE001 - fails this turn only (an error event)
+            self._feed(
+                ev.Transcribed(job.item_id, None, _fault(self.id, "transcription", error).message)
+            )
+            return
+        self._feed(ev.Transcribed(job.item_id, text))
 
     async def _stt(self, audio: np.ndarray, language: str | None, prompt: str | None) -> Any:
         return await self._deps.stt.transcribe(
@@ -324,7 +415,8 @@ class RealtimeSession:
         """One answer, reported as it goes. Cancelled (barge-in, the session ends): its
         generation is aborted and its speech stops; the machine hears ``ResponseEnded``.
         A server error (generation's or the voice's, raised alone or from the answer's
-        nursery) fails this answer only: the session reports it and goes on."""
+        nursery), or any unexpected exception, fails this answer only: the session reports it
+        and goes on."""
         rid = start.response_id
         outcome = ev.ResponseEnded(rid, "cancelled")
         try:
@@ -335,6 +427,9 @@ class RealtimeSession:
                 except* MlxcelError as failed:
                     error = _first(failed)
                     log.warning("realtime %s: answer %s failed: %s", self.id, rid, error.message)
+                    outcome = ev.ResponseEnded(rid, "failed", error.error_type, error.message)
+                except* Exception as failed:
+                    error = _fault(self.id, f"answer {rid}", failed)
                     outcome = ev.ResponseEnded(rid, "failed", error.error_type, error.message)
         finally:
             del self._answers[rid]
@@ -400,6 +495,16 @@ class RealtimeSession:
                         pcm = resampler.push(pcm)
                     self._feed(ev.Synthesized(rid, pcm, AudioWorker.now()))
             self._feed(ev.PieceDone(rid))
+
+
+def _fault(session: str, what: str, error: BaseException) -> MlxcelError:
+    """An unexpected exception in a turn, logged with its traceback, as the error the client
+    is told of (its type only: the message may hold anything)."""
+    log.error("realtime %s: %s failed unexpectedly", session, what, exc_info=error)
+    leaf: BaseException = error
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return InternalError(f"internal error ({type(leaf).__name__})")
 
 
 def _first(group: BaseExceptionGroup[MlxcelError]) -> MlxcelError:

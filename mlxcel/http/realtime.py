@@ -14,8 +14,11 @@ Realtime, anything else the seed's VoiceChat protocol.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+from collections.abc import Callable
+from typing import cast
 
 import attrs
 import trio
@@ -26,6 +29,7 @@ from mlxcel.actors.realtime.vad import shared_model
 from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
 from mlxcel.http.context import ServerContext, server
 from mlxcel.http.errors import envelope, error_response
+from mlxcel.http.hangup import HANG_UP
 from mlxcel.http.realtime_openai import OpenAIRealtime
 from mlxcel.http.realtime_voicechat import VoiceChat
 from mlxcel.http.realtime_wire import RealtimeWire, Vocabulary
@@ -38,6 +42,7 @@ from mlxcel.runtime.errors import (
     NotImplementedRoute,
     ShuttingDown,
 )
+from mlxcel.runtime.messages import RealtimeStatistics
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +65,14 @@ KEY_PARAMS = frozenset(
 
 @attrs.define
 class SessionGate:
-    """How many realtime sessions are open, against ``--realtime-max-sessions``."""
+    """How many realtime sessions are open, against ``--realtime-max-sessions``; the open
+    sessions themselves (their buffers, for /metrics) and those dropped for a slow client."""
 
     limit: int
     open: int = 0
     vad_limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(2))
+    sessions: set[RealtimeSession] = attrs.field(factory=set)
+    dropped: collections.Counter[str] = attrs.field(factory=collections.Counter)
 
     def try_enter(self) -> bool:
         if self.open >= self.limit:
@@ -75,11 +83,20 @@ class SessionGate:
     def leave(self) -> None:
         self.open -= 1
 
+    def statistics(self) -> RealtimeStatistics:
+        return RealtimeStatistics(
+            open=self.open,
+            limit=self.limit,
+            input_bytes=sum(s.input_bytes for s in self.sessions),
+            output_bytes=sum(s.output_bytes for s in self.sessions),
+            dropped=tuple(sorted(self.dropped.items())),
+        )
 
-def open_sessions(app: Quart) -> int:
-    """Realtime sessions open in ``app`` (the Quart app; its gate is made at the first)."""
+
+def realtime_statistics(app: Quart, limit: int) -> RealtimeStatistics:
+    """The realtime sessions of ``app`` (the Quart app; its gate is made at the first)."""
     gate: SessionGate | None = app.config.get("MLXCEL_REALTIME")
-    return gate.open if gate is not None else 0
+    return gate.statistics() if gate is not None else SessionGate(limit).statistics()
 
 
 def _gate(ctx: ServerContext) -> SessionGate:
@@ -152,6 +169,13 @@ class _QuartSocket:
     async def close(self, code: int, reason: str) -> None:
         await websocket.close(code, reason)
 
+    def hang_up(self) -> bool:
+        hang_up = cast("Callable[[], None] | None", websocket.scope.get(HANG_UP))
+        if hang_up is None:
+            return False
+        hang_up()
+        return True
+
 
 @bp.websocket("/v1/realtime")
 async def realtime() -> Response | None:
@@ -181,6 +205,7 @@ async def realtime() -> Response | None:
         await websocket.send(json.dumps(busy))
         await websocket.close(1013, "server busy")
         return None
+    session: RealtimeSession | None = None
     try:
         # The voices load on first use: start them now, while the client configures.
         ctx.stt.preload()
@@ -201,8 +226,10 @@ async def realtime() -> Response | None:
             vad_limiter=gate.vad_limiter,
             count_tokens=model.pipeline.count_tokens,
             context_length=model.info.context_length,
+            send_timeout=ctx.settings.realtime_send_timeout_secs,
         )
         session = RealtimeSession(RealtimeWire(_QuartSocket(), dialect), deps)
+        gate.sessions.add(session)
         log.info("realtime %s opened (%s)", session.id, dialect.name)
         # While a voice session is open, its speech models (VAD every frame, Whisper, Piper)
         # run next to the chat model: OpenBLAS on half its threads leaves them the other
@@ -213,6 +240,10 @@ async def realtime() -> Response | None:
             await session.run()
         log.info("realtime %s closed", session.id)
     finally:
+        if session is not None:
+            gate.sessions.discard(session)
+            if session.dropped is not None:
+                gate.dropped[session.dropped] += 1
         gate.leave()
     return None
 

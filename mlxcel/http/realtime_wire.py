@@ -22,6 +22,7 @@ class Socket(Protocol):
     async def receive(self) -> str | bytes: ...
     async def send(self, data: str) -> None: ...
     async def close(self, code: int, reason: str) -> None: ...
+    def hang_up(self) -> bool: ...
 
 
 class Vocabulary(Protocol):
@@ -63,6 +64,9 @@ class RealtimeWire:
 
     async def close(self, code: int, reason: str) -> None:
         await self._socket.close(code, reason)
+
+    def hang_up(self) -> bool:
+        return self._socket.hang_up()
 
 
 def parse(message: str | bytes, vocabulary: Vocabulary) -> ev.ClientMessage:

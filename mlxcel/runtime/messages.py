@@ -589,6 +589,25 @@ class AudioWorkerStatistics:
     refused: int
 
 
+# --- realtime sessions -> http (statistics) ------------------------------------------------------
+
+
+@attrs.frozen
+class RealtimeStatistics:
+    """The realtime voice sessions at one moment, for /metrics."""
+
+    open: int
+    # --realtime-max-sessions.
+    limit: int
+    # Summed over open sessions: uncommitted input audio held, and outgoing events queued and
+    # not yet handed to the socket.
+    input_bytes: int
+    output_bytes: int
+    # Sessions the server ended because their client did not read, by reason
+    # ("outgoing_backlog", "send_timeout"), since start.
+    dropped: tuple[tuple[str, int], ...]
+
+
 # --- http -> session store --------------------------------------------------------------------
 
 

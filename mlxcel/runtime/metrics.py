@@ -22,7 +22,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mlxcel.runtime.messages import AudioWorkerStatistics, SchedulerStatistics
+from mlxcel.runtime.messages import (
+    AudioWorkerStatistics,
+    RealtimeStatistics,
+    SchedulerStatistics,
+)
 
 # llama-server exposes no `_created` series; scrapers comparing the two should see the same set.
 disable_created_metrics()
@@ -46,8 +50,8 @@ class _Live(Collector):
         self.side_jobs: Callable[[], dict[str, tuple[int, int]]] = dict
         # Per speech worker (speech-to-text, text-to-speech): its queue now.
         self.audio_jobs: Callable[[], dict[str, AudioWorkerStatistics]] = dict
-        # Realtime voice sessions: (open now, --realtime-max-sessions); None without audio.
-        self.realtime_sessions: Callable[[], tuple[int, int] | None] = lambda: None
+        # Realtime voice sessions now; None without audio.
+        self.realtime_sessions: Callable[[], RealtimeStatistics | None] = lambda: None
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.scheduler()
@@ -92,17 +96,7 @@ class _Live(Collector):
         yield audio
         yield refused
         if (sessions := self.realtime_sessions()) is not None:
-            yield GaugeMetricFamily(
-                "mlxcel_realtime_sessions_open",
-                "Realtime voice sessions open (/v1/realtime WebSockets admitted).",
-                value=sessions[0],
-            )
-            yield GaugeMetricFamily(
-                "mlxcel_realtime_sessions_limit",
-                "Realtime voice sessions admitted at most (--realtime-max-sessions); more are "
-                "refused at open with server_busy (close 1013).",
-                value=sessions[1],
-            )
+            yield from _realtime(sessions)
         yield GaugeMetricFamily(
             "mlxcel_batch_size",
             "Sequences (rows: one per choice) in the running batch.",
@@ -151,6 +145,41 @@ class _Live(Collector):
             "Freed buffers mlx's allocator keeps for reuse (bounded by --mlx-cache-limit).",
             value=s.mlx_cached,
         )
+
+
+def _realtime(sessions: RealtimeStatistics) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    yield GaugeMetricFamily(
+        "mlxcel_realtime_sessions_open",
+        "Realtime voice sessions open (/v1/realtime WebSockets admitted).",
+        value=sessions.open,
+    )
+    yield GaugeMetricFamily(
+        "mlxcel_realtime_sessions_limit",
+        "Realtime voice sessions admitted at most (--realtime-max-sessions); more are "
+        "refused at open with server_busy (close 1013).",
+        value=sessions.limit,
+    )
+    held = GaugeMetricFamily(
+        "mlxcel_realtime_buffered_bytes",
+        "Bytes the open realtime sessions hold for their clients: uncommitted input audio "
+        "(direction=input; at most 120 s a session) and outgoing events not yet taken by the "
+        "client (direction=output; at most 8 MiB a session).",
+        labels=["direction"],
+    )
+    held.add_metric(["input"], sessions.input_bytes)
+    held.add_metric(["output"], sessions.output_bytes)
+    yield held
+    dropped = CounterMetricFamily(
+        "mlxcel_realtime_dropped_sessions",
+        "Realtime sessions the server ended because their client did not read: its outgoing "
+        "queue overflowed (reason=outgoing_backlog, close 1008) or a send waited longer than "
+        "--realtime-send-timeout-secs (reason=send_timeout, connection dropped).",
+        labels=["reason"],
+    )
+    counts = dict(sessions.dropped)
+    for reason in ("outgoing_backlog", "send_timeout"):
+        dropped.add_metric([reason], counts.get(reason, 0))
+    yield dropped
 
 
 class Metrics:

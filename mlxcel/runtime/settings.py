@@ -165,6 +165,9 @@ class Settings:
     audio_request_timeout_secs: float = 120.0
     # Realtime voice WebSocket sessions open at once (more: error server_busy, close 1013).
     realtime_max_sessions: int = 8
+    # Seconds a realtime client may leave one outgoing event (or the close) untaken before its
+    # connection is dropped: a client that reads nothing cannot be sent even a close frame.
+    realtime_send_timeout_secs: float = 10.0
 
     @property
     def spec_kind(self) -> str | None:

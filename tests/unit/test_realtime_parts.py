@@ -8,9 +8,15 @@ import base64
 import numpy as np
 import pytest
 
-from mlxcel.actors.realtime.audio import AudioFormatError, InputBuffer, decode_pcm16, resample
+from mlxcel.actors.realtime.audio import (
+    AudioFormatError,
+    InputBuffer,
+    InputPace,
+    decode_pcm16,
+    resample,
+)
 from mlxcel.actors.realtime.config import ProtocolError
-from mlxcel.actors.realtime.outbox import Outbox, OutboxOverflow
+from mlxcel.actors.realtime.outbox import OVERFLOW, Outbox
 from mlxcel.actors.realtime.sentences import SentenceSplitter
 from mlxcel.actors.realtime.vad import VadStream, shared_model
 from mlxcel.http.realtime_openai import OpenAIRealtime
@@ -59,18 +65,26 @@ def test_a_piece_without_punctuation_is_cut_at_a_word() -> None:
     assert pieces and all(len(p) <= 40 for p in pieces)
 
 
-async def test_outbox_overflows_instead_of_blocking_and_purges_a_response() -> None:
+async def test_outbox_purges_a_response() -> None:
     box = Outbox(max_bytes=200)
     box.put({"type": "a"})
     box.put({"type": "audio", "delta": "x" * 40}, response_id="r1", first_of_piece=0)
     box.put({"type": "audio", "delta": "y" * 40}, response_id="r1", first_of_piece=1)
-    with pytest.raises(OutboxOverflow):
-        box.put({"type": "big", "delta": "z" * 200})
     assert box.purge("r1") == {0, 1}
     box.close(1000, "bye")
     first = await box.get()
     assert not isinstance(first, tuple) and first.payload == {"type": "a"}
     assert await box.get() == (1000, "bye")
+
+
+async def test_an_overflowing_outbox_drops_its_events_and_closes_1008() -> None:
+    box = Outbox(max_bytes=200)
+    box.put({"type": "a"})
+    box.put({"type": "big", "delta": "z" * 200})  # never blocks, never raises
+    assert box.overflowed and box.pending_bytes == 0
+    box.put({"type": "after"})  # dropped: the box is closing
+    box.close(1000, "bye")  # the overflow's close stands
+    assert await box.get() == OVERFLOW == (1008, "client too slow: outgoing queue overflow")
 
 
 def test_pcm16_decoding_rejects_bad_base64_and_odd_lengths() -> None:
@@ -79,6 +93,19 @@ def test_pcm16_decoding_rejects_bad_base64_and_odd_lengths() -> None:
         decode_pcm16("@@@")
     with pytest.raises(AudioFormatError, match="even byte count"):
         decode_pcm16(base64.b64encode(b"\x01\x02\x03").decode())
+
+
+def test_input_audio_is_paced_after_a_burst() -> None:
+    pace = InputPace(speed=20, burst_seconds=120, now=0.0)
+    assert pace.take(120, now=0.0) == 0  # a full buffer's worth at once
+    assert pace.take(20, now=0.0) == 1.0  # then 20x real time: 20 s of audio wait 1 s
+    assert pace.take(20, now=2.0) == 0.0  # that second was waited; the next came in time
+    # A microphone (1x) and a replay at 10x are never held back.
+    for speed in (1, 10):
+        pace, now = InputPace(speed=20, burst_seconds=120, now=0.0), 0.0
+        for _ in range(10_000):
+            now += 0.08 / speed
+            assert pace.take(0.08, now) == 0
 
 
 def test_input_buffer_is_capped() -> None:

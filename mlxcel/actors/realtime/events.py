@@ -145,6 +145,13 @@ class SpeechDetected:
 
 
 @attrs.frozen
+class DetectionFailed:
+    """VAD failed on the audio of the last ``DetectSpeech`` (that audio went unexamined)."""
+
+    message: str
+
+
+@attrs.frozen
 class EarlyTranscribed:
     """An early transcription ended; ``text`` None: cancelled or failed."""
 
@@ -241,6 +248,7 @@ Input = (
     Received
     | TimedOut
     | SpeechDetected
+    | DetectionFailed
     | EarlyTranscribed
     | Transcribed
     | ContextFitted

@@ -45,6 +45,10 @@ MAX_PENDING_JOBS = 4
 # A memory bound on the conversation (a 600 s session at one turn every 5 s holds 240 items).
 # Past it the oldest quarter goes at once, so the prompt's start stays put between drops.
 MAX_HISTORY_ITEMS = 256
+# And on its text: typed items (conversation.item.create) may each hold up to a WebSocket
+# message (1 MiB), so the item cap alone would let a session keep 256 MiB. Past this many
+# characters the oldest items go until a quarter of it is free again, for the same reason.
+MAX_HISTORY_CHARS = 1_000_000
 # Client events a session answers before it is configured.
 _BEFORE_CONFIGURE = frozenset(
     {"session.update", "session.ping", "session.cancel", "response.cancel"}
@@ -111,6 +115,7 @@ class SessionMachine:
         self._answer: Answer | None = None  # the running job's answer, until its task ends
         self._active: Answer | None = None  # ... while it is in progress
         self.history: list[ev.Item] = []
+        self._history_chars = 0  # the text in ``history``
         # The first item of ``history`` the model reads (``truncation``: runtime/truncation.py).
         self.context_from = 0
         self._started = now
@@ -147,6 +152,8 @@ class SessionMachine:
                 self._timed_out(now)
             case ev.SpeechDetected(found, now):
                 self._guard(self._detected, found, now)
+            case ev.DetectionFailed(message):
+                self._error("inference_error", f"speech detection failed: {message}")
             case ev.EarlyTranscribed(token, text):
                 self._early_done(token, text)
             case ev.Transcribed(item_id, text, error):
@@ -461,8 +468,17 @@ class SessionMachine:
 
     def remember(self, item: ev.Item) -> None:
         self.history.append(item)
+        self._history_chars += len(item.text)
+        drop = 0
         if len(self.history) > MAX_HISTORY_ITEMS:
             drop = MAX_HISTORY_ITEMS // 4
+        if self._history_chars > MAX_HISTORY_CHARS:
+            chars = self._history_chars
+            while drop < len(self.history) - 1 and chars > MAX_HISTORY_CHARS * 3 // 4:
+                chars -= len(self.history[drop].text)
+                drop += 1
+        if drop:
+            self._history_chars -= sum(len(i.text) for i in self.history[:drop])
             del self.history[:drop]
             self.context_from = max(0, self.context_from - drop)
 
@@ -589,4 +605,4 @@ class SessionMachine:
         self._send(ev.ResponseDone(a.snapshot()))
 
 
-__all__ = ["MAX_HISTORY_ITEMS", "MAX_PENDING_JOBS", "SessionMachine"]
+__all__ = ["MAX_HISTORY_CHARS", "MAX_HISTORY_ITEMS", "MAX_PENDING_JOBS", "SessionMachine"]

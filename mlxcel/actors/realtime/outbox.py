@@ -1,8 +1,11 @@
 """A session's outgoing events: bounded in bytes, never blocking the producer.
 
 Producers (the reader, the response, the speaker) ``put`` without waiting; the session's writer
-task sends in order. A client that reads slower than the session produces fills the box, and
-``put`` reports the overflow so the session is dropped instead of stalling anything else.
+task sends in order. A client that reads slower than the session produces fills the box: past
+``max_bytes`` what is queued is dropped and the box closes with 1008 (``OVERFLOW``), so the
+session ends instead of stalling or growing. The overflow is a close like any other, not an
+exception: it must not travel through the producers' tasks, which turn their own failures into
+``error`` events and would have to tell the two apart.
 Audio of a cancelled response that is still waiting here is ``purge``d: the user never heard it.
 """
 
@@ -15,6 +18,9 @@ from typing import Any
 import attrs
 import trio
 
+# The close that ends a session whose client fell ``max_bytes`` behind.
+OVERFLOW = (1008, "client too slow: outgoing queue overflow")
+
 
 @attrs.define
 class Outgoing:
@@ -26,10 +32,6 @@ class Outgoing:
     first_of_piece: int | None = None
 
 
-class OutboxOverflow(Exception):
-    pass
-
-
 class Outbox:
     def __init__(self, max_bytes: int) -> None:
         self._items: collections.deque[Outgoing] = collections.deque()
@@ -37,6 +39,8 @@ class Outbox:
         self._max_bytes = max_bytes
         self._wake = trio.Event()
         self.closing: tuple[int, str] | None = None
+        # Whether the box closed because it overflowed (the client was too slow).
+        self.overflowed = False
 
     def put(
         self,
@@ -45,12 +49,17 @@ class Outbox:
         response_id: str | None = None,
         first_of_piece: int | None = None,
     ) -> None:
-        """Queue one event. Raises OutboxOverflow when the client is too far behind."""
+        """Queue one event; once closing, drop it. An event that would take the box past
+        ``max_bytes`` drops everything queued and closes the box with ``OVERFLOW``."""
         if self.closing is not None:
             return
         text = json.dumps(payload, ensure_ascii=False)
         if self._bytes + len(text) > self._max_bytes:
-            raise OutboxOverflow(f"client is {self._bytes} bytes behind")
+            self._items.clear()
+            self._bytes = 0
+            self.overflowed = True
+            self.close(*OVERFLOW)
+            return
         self._items.append(Outgoing(payload, text, response_id, first_of_piece))
         self._bytes += len(text)
         self._wake.set()
@@ -89,4 +98,5 @@ class Outbox:
 
     @property
     def pending_bytes(self) -> int:
+        """Bytes of events queued and not yet handed to the socket."""
         return self._bytes
