@@ -229,16 +229,36 @@ def _metadata(reader: Any) -> dict[str, Any]:
     return out
 
 
+def _reader(path: Path) -> Any:
+    """gguf-py's ``GGUFReader`` over a plain ndarray view of its memory map.
+
+    The reader slices its ``np.memmap`` once per value it parses, and a memmap's slice costs
+    ~3x a plain array's (its ``__array_finalize__`` and ``__getitem__`` run in Python): with a
+    128k-token vocabulary and its merges (~400k strings, two slices each) the reader took
+    8.2 s, and 2.8 s on the same mapping viewed as an ndarray. Same fields, same tensor bytes
+    (the view keeps the map alive through its base)."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        @property  # type: ignore[override]  # a plain view where gguf-py declares its memmap
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)
+
+    return Reader(str(path))
+
+
 def read_gguf(path: Path) -> GgufFile:
     """The metadata and every tensor of the GGUF file at ``path`` (see the module doc); of
     every part, when ``path`` is one part of a split GGUF (``gguf_split``): the metadata is
     the first part's, the tensors all of theirs."""
-    from gguf import GGUFReader
-
     readers = []
     for part in gguf_split.parts(path):
         try:
-            readers.append(GGUFReader(str(part)))
+            readers.append(_reader(part))
         except (ValueError, OSError) as exc:
             raise UnsupportedModel(f"{part} is not a readable GGUF file: {exc}") from exc
     metadata = _metadata(readers[0])
