@@ -75,6 +75,11 @@ struct Int8Rows {
   float* sums;
   int Mp;  // rows rounded up to 16
   bool nibbles = false;
+  // For the columns kernel (fewer than kRowsKernelMin rows): when set, the quantiser writes
+  // each row's int8 x here instead of xq, row-major [M][K], in the order qmm_cols_vnni reads
+  // it for `cols_bits`-bit weights (per 8 inputs the even ones then the odd ones at 4 bits).
+  int8_t* xc = nullptr;
+  int cols_bits = 0;
 };
 void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Rows& xr);
 // Columns [n0, n1) of out for every row; callers cut column ranges at multiples of kVnniCols.

@@ -241,21 +241,6 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// The few rows' int8 x, row-major, in the order the columns kernel reads it: for 4 bits, per
-// 8 inputs the even ones then the odd ones (the low and high nibbles of a packed 32-bit word);
-// for 8 bits, as is.
-template <int BITS>
-void cols_x(const Int8Rows& xr, int M, int K, int8_t* xc) {
-  for (int m = 0; m < M; ++m) {
-    for (int k = 0; k < K; ++k) {
-      const int8_t v = xr.xq[xq_at(K, k / 4, m) + k % 4];
-      const int e = k % 8;
-      const int at = BITS == 4 ? k - e + (e % 2) * 4 + e / 2 : k;
-      xc[long(m) * K + at] = v;
-    }
-  }
-}
-
 // MR rows from m0 x 16 columns (packed weights at col[c], scales and biases [G][16] in sv, bv).
 // The weights are read as stored: per chunk, one 32-bit word per column (8 inputs at 4 bits,
 // 4 at 8 bits) for 16 words, transposed so that a vector holds one word of every column, and
@@ -333,49 +318,56 @@ void cols_tile(const QmmArgs& a, const Int8Rows& xr, const int8_t* xc, int m0,
     _mm512_mask_storeu_ps(a.out + long(m0 + r) * a.N + n0, valid, acc[r]);
 }
 
+// 16 scales or biases of one column from group g0 (fewer at the end: zeros), as float32.
+template <ScaleType ST>
+inline __m512i widen16(const void* src, long offset, int count) {
+  const __mmask16 m = count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+  if constexpr (ST == ScaleType::f32) {
+    return _mm512_castps_si512(_mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + offset));
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src) + offset);
+    if constexpr (ST == ScaleType::f16) return _mm512_castps_si512(_mm512_cvtph_ps(h));
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+  }
+}
+
 template <int BITS, ScaleType ST>
 void cols_typed(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
   const int K = a.K;
   const int G = K / a.group_size;
   const long row_bytes = long(K) * BITS / 8;
   // Per thread and reused: a decode step makes ~200 of these calls, each split in tasks.
-  thread_local std::vector<int8_t> xc;
-  thread_local std::vector<float> sv, bv, sw, bw;
-  xc.resize(size_t(a.M) * K);
-  cols_x<BITS>(xr, a.M, K, xc.data());
+  thread_local std::vector<float> sv, bv;
   sv.resize(size_t(16) * G);
   bv.resize(size_t(16) * G);
-  const int Gp = (G + 15) / 16 * 16;  // widened per column first, then transposed
-  sw.resize(size_t(16) * Gp);
-  bw.resize(size_t(16) * Gp);
   for (int n = n0; n < n1; n += 16) {
     const uint8_t* col[16];
+    long cn[16];
     for (int c = 0; c < 16; ++c) {
-      const long cn = n + c < n1 ? n + c : n1 - 1;
-      col[c] = reinterpret_cast<const uint8_t*>(a.w) + cn * row_bytes;
-      widen<ST>(a.scales, cn * G, G, sw.data() + long(c) * Gp);
-      widen<ST>(a.biases, cn * G, G, bw.data() + long(c) * Gp);
+      cn[c] = n + c < n1 ? n + c : n1 - 1;
+      col[c] = reinterpret_cast<const uint8_t*>(a.w) + cn[c] * row_bytes;
     }
-    // [16 columns][G] -> [G][16 columns], 16 groups per transpose (one scalar load and
-    // conversion per scale and column cost more than the weights' own layout at 1 row).
-    for (const auto& [from, to] : {std::pair{sw.data(), sv.data()}, std::pair{bw.data(), bv.data()}}) {
+    // [16 columns][G] -> [G][16 columns], 16 groups a pass: each column's 16 scales widened
+    // in a register and transposed there (one scalar load and conversion per scale and
+    // column cost more than the weights themselves at 1 row).
+    for (const auto& [from, to] : {std::pair{a.scales, sv.data()}, std::pair{a.biases, bv.data()}}) {
       for (int g0 = 0; g0 < G; g0 += 16) {
         __m512i r[16];
-        for (int c = 0; c < 16; ++c)
-          r[c] = _mm512_castps_si512(_mm512_loadu_ps(from + long(c) * Gp + g0));
+        for (int c = 0; c < 16; ++c) r[c] = widen16<ST>(from, cn[c] * G + g0, G - g0);
         transpose16(r);
         for (int u = 0; u < 16 && g0 + u < G; ++u)
           _mm512_storeu_si512(to + 16L * (g0 + u), r[u]);
       }
     }
     const __mmask16 valid = n1 - n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n1 - n)) - 1);
+    const int8_t* xc = xr.xc;
     for (int m = 0; m < a.M;) {
       const int rows = a.M - m >= 4 ? 4 : a.M - m;
       switch (rows) {
-        case 1: cols_tile<BITS, 1>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
-        case 2: cols_tile<BITS, 2>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
-        case 3: cols_tile<BITS, 3>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
-        default: cols_tile<BITS, 4>(a, xr, xc.data(), m, col, sv.data(), bv.data(), n, valid); break;
+        case 1: cols_tile<BITS, 1>(a, xr, xc, m, col, sv.data(), bv.data(), n, valid); break;
+        case 2: cols_tile<BITS, 2>(a, xr, xc, m, col, sv.data(), bv.data(), n, valid); break;
+        case 3: cols_tile<BITS, 3>(a, xr, xc, m, col, sv.data(), bv.data(), n, valid); break;
+        default: cols_tile<BITS, 4>(a, xr, xc, m, col, sv.data(), bv.data(), n, valid); break;
       }
       m += rows;
     }
@@ -401,13 +393,20 @@ void vnni_bits(const QmmArgs& a, const Int8Rows& xr, int n0, int n1, bool rows) 
 }  // namespace
 
 void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Rows& xr) {
-  alignas(64) int8_t order[32];  // the block's inputs as stored in xq
-  for (int j = 0; j < 32; ++j) order[j] = int8_t(xr.nibbles ? (j < 16 ? 2 * j : 2 * (j - 16) + 1) : j);
+  alignas(64) int8_t order[32];  // the block's inputs as stored in xq (or xc)
+  for (int j = 0; j < 32; ++j) {
+    if (xr.xc != nullptr) {  // qmm_cols_vnni's order: per 8 at 4 bits, the evens then the odds
+      const int e = j % 8;
+      order[j] = int8_t(xr.cols_bits == 4 ? j - e + (e < 4 ? 2 * e : 2 * (e - 4) + 1) : j);
+    } else {
+      order[j] = int8_t(xr.nibbles ? (j < 16 ? 2 * j : 2 * (j - 16) + 1) : j);
+    }
+  }
   const int Mp = xr.Mp;
   const long blocks = K / 32;
   const int bpg = group_size / 32;
   if (Mp > M) {
-    std::memset(xr.xq, 0, size_t(Mp) * K);
+    if (xr.xc == nullptr) std::memset(xr.xq, 0, size_t(Mp) * K);
     std::memset(xr.d, 0, sizeof(float) * size_t(Mp) * blocks);
     std::memset(xr.sums, 0, sizeof(float) * size_t(Mp) * (K / group_size));
   }
@@ -430,8 +429,12 @@ void qmm_quantize_rows_int8(const float* x, int M, int K, int group_size, Int8Ro
                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
       alignas(64) int8_t stored[32];
       for (int j = 0; j < 32; ++j) stored[j] = q[order[j]];
-      for (int u = 0; u < 8; ++u)
-        std::memcpy(xr.xq + xq_at(K, blk * 8 + u, m), stored + 4 * u, 4);
+      if (xr.xc != nullptr) {
+        std::memcpy(xr.xc + long(m) * K + blk * 32, stored, 32);
+      } else {
+        for (int u = 0; u < 8; ++u)
+          std::memcpy(xr.xq + xq_at(K, blk * 8 + u, m), stored + 4 * u, 4);
+      }
       xr.d[d_at(K, blk, m)] = d;
       // The biases multiply the quantised x's sum, not x's own: the weights' offset from
       // zero (q is 0..15 for 4 bits, its mean far from 0) then meets the same x as the scale

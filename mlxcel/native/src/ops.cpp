@@ -274,6 +274,10 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
       sums.resize(size_t(Mp) * (args.K / args.group_size));
       Int8Rows xr{xq.data(), d.data(), sums.data(), Mp,
                   args.bits == 4 && args.M >= kRowsKernelMin};
+      if (args.M < kRowsKernelMin) {  // the columns kernel's own order, once per call
+        xr.xc = xq.data();
+        xr.cols_bits = args.bits;
+      }
       qmm_quantize_rows_int8(args.x, args.M, args.K, args.group_size, xr);
       if (args.M >= kRowsKernelMin) {
         run_columns(args.M, args.N, args.K, kVnniCols, [&](int n0, int n1) {
