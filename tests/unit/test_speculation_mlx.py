@@ -11,10 +11,9 @@ import pytest
 
 from mlxcel.actors.model_runner.mlx_backend import MlxBackend
 from mlxcel.actors.model_runner.speculation import Choice, StepCosts
-from mlxcel.runtime.messages import InsertSequence, SamplingParams, StepPlan
+from mlxcel.runtime.messages import InsertSequence
 from mlxcel.runtime.settings import Settings
-
-GREEDY = SamplingParams(temperature=0.0)
+from tests.support.drive import GREEDY, LOOP, drive, mixed_requests
 
 
 @pytest.fixture(scope="module")
@@ -57,29 +56,9 @@ def _run(
     elif spec:
         assert backend._spec is not None
         backend._spec.policy = Always(width)  # type: ignore[assignment]  # a test double
-    tokens: dict[tuple[str, int], list[Any]] = {}
-    finish: dict[tuple[str, int], str] = {}
-    proposed = accepted = 0
-    plan = StepPlan(inserts=(inserts[0],))
-    later = list(inserts[1:])
-    for step in range(400):
-        out = backend.apply(plan)
-        # The others join while the first decodes: rows join a batch that speculates.
-        plan = StepPlan(inserts=(later.pop(0),)) if later and step % 3 == 2 else StepPlan()
-        for t in out.tokens:
-            tokens.setdefault((t.request_id, t.choice), []).append(
-                (t.token, t.logprob, t.top_logprobs)
-            )
-            if t.finish_reason is not None:
-                finish[t.request_id, t.choice] = t.finish_reason
-        for _, p, a in out.drafts:
-            proposed, accepted = proposed + p, accepted + a
-        if not backend._rid_by_uid and not later:
-            break
-    return tokens, finish, proposed, accepted
-
-
-LOOP = tuple([5, 6, 7, 8, 9] * 6)
+    # The others join while the first decodes: rows join a batch that speculates.
+    run = drive(backend, inserts, join_every=3)
+    return run.tokens, run.finish, run.proposed, run.accepted
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +74,10 @@ def echo(loaded: Any) -> tuple[int, ...]:
 
 
 def _inserts(echo: tuple[int, ...]) -> list[InsertSequence]:
-    loop = LOOP
+    # "pen" (a logits processor) rides along without speculating.
     return [
         InsertSequence("copy", echo, 48, GREEDY, ignore_eos=True),
-        InsertSequence("lp", (3, 4, 3, 4, 3, 4, 3), 30, GREEDY, logprobs=3, ignore_eos=True),
-        InsertSequence("two", tuple(range(20, 40)) * 2, 25, GREEDY, n=2, ignore_eos=True),
-        # A row with a logits processor rides along without speculating.
-        InsertSequence(
-            "pen",
-            loop,
-            20,
-            SamplingParams(temperature=0.0, repetition_penalty=1.3),
-            ignore_eos=True,
-        ),
-        InsertSequence("short", loop, 3, GREEDY, ignore_eos=True),
+        *mixed_requests(),
         InsertSequence("eos", (1, 2, 3) * 5, 60, GREEDY),
     ]
 

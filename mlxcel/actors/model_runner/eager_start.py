@@ -35,6 +35,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlxcel.actors.model_runner import row_reuse
+from mlxcel.actors.model_runner.encoding import Encoder
 from mlxcel.actors.model_runner.prefill_budget import PrefillBudget
 from mlxcel.models import mlx_lm_compat as compat
 
@@ -47,6 +48,10 @@ REPORTED = 2
 
 
 class PrimedGenerationBatch(GenerationBatch):
+    # Queues each step's graph from a thread of its own (``encoding``); None: this thread
+    # queues it (``mx.async_eval``). Set on the generator's batch, which lives as long.
+    encoder: Encoder | None = None
+
     def __init__(self, *args: Any, primed: bool = False, **kwargs: Any) -> None:
         self._priming = primed
         # Rows that finished and stay as holes until a joining row takes their place
@@ -87,6 +92,20 @@ class PrimedGenerationBatch(GenerationBatch):
         """The time between this step and the next is not all decoding: prompts are read in
         it. Nothing here; a speculating batch stops timing that interval as a step."""
 
+    def settle(self) -> None:
+        """Before anything that evaluates on this thread (``encoding``'s rule)."""
+        if self.encoder is not None:
+            self.encoder.settle()
+
+    @contextmanager
+    def synchronous(self) -> Iterator[None]:
+        """Steps queue their graphs from this thread (the caller settled first)."""
+        encoder, self.encoder = self.encoder, None
+        try:
+            yield
+        finally:
+            self.encoder = encoder
+
     def reported_early(self, i: int) -> bool:
         """Whether row ``i``'s current input is a token already reported (eager start): it is
         not in the row's tokens yet, nor has the row's logits processors' context seen it."""
@@ -112,9 +131,11 @@ class PrimedGenerationBatch(GenerationBatch):
         """
         inputs = compat.next_tokens(self)
         compat.set_current(self, inputs, compat.next_logprobs(self))
+        processors_of = cast(list[Any], self.logits_processors)
+        if any(processors_of):
+            self.settle()  # a processor may read tokens on the host
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         token_context = []
-        processors_of = cast(list[Any], self.logits_processors)
         if any(processors_of):
             rows = []
             for e in range(len(self.uids)):
@@ -136,9 +157,17 @@ class PrimedGenerationBatch(GenerationBatch):
             sampled = mx.concatenate([s(logits[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
         compat.set_next_tokens(self, sampled)
         compat.set_next_logprobs(self, list(logits))
-        mx.async_eval(sampled, compat.next_logprobs(self), token_context)
         previous = compat.current_logprobs(self)
-        mx.eval(inputs, previous)
+        if self.encoder is None:
+            mx.async_eval(sampled, compat.next_logprobs(self), token_context)
+        else:
+            # This step's graph was built while the previous one was being queued; once that
+            # is done, what this thread reads below is queued here if still lazy (a verifying
+            # step's leftovers), then the encoder queues this step while the runner goes on.
+            self.encoder.settle()
+            mx.async_eval(inputs, previous)
+            self.encoder.submit(sampled, compat.next_logprobs(self), token_context)
+        mx.eval(inputs, previous)  # queued already: waits for the results only
         said = cast(list[int], inputs.tolist())
         for tokens, t in zip(self.tokens, said, strict=True):
             tokens.append(t)
@@ -163,6 +192,7 @@ class PrimedGenerationBatch(GenerationBatch):
         return i in self._holes
 
     def extend(self, batch: Any) -> None:
+        self.settle()
         n = len(batch.uids)
         starts = list(getattr(batch, "_starts", [NORMAL] * n))
         if n and self.uids and self._holes:
@@ -186,7 +216,12 @@ class PrimedGenerationBatch(GenerationBatch):
         self._starts.extend(starts)
         self._settle_hole_samplers()
 
+    def _finished_cache(self, i: int) -> list[Any]:
+        self.settle()  # mlx-lm's extraction reads the row's padding on the host
+        return self.extract_cache(i)
+
     def filter(self, keep: list[int]) -> None:
+        self.settle()
         kept = set(keep)
         live = [i for i in keep if i not in self._holes]
         ended = [i for i in range(len(self.uids)) if i not in kept and i not in self._holes]
@@ -247,6 +282,7 @@ class PrimedGenerationBatch(GenerationBatch):
         first: list[int] = []
         dists: list[Any] = []
         if PRIMED in starts:
+            self.settle()
             sampled, dists = compat.next_tokens(self), compat.next_logprobs(self)
             mx.eval(sampled, [dists[i] for i, s in enumerate(starts) if s == PRIMED])
             first = cast(list[int], sampled.tolist())  # a 1-d int array
@@ -283,7 +319,7 @@ class PrimedGenerationBatch(GenerationBatch):
                         finish_reason=finish_reason,
                         # The cache and its tokens agree: a token reported early is in
                         # neither (tokens a row read past its end are in both).
-                        prompt_cache=self.extract_cache(i) if done else None,
+                        prompt_cache=self._finished_cache(i) if done else None,
                         all_tokens=self.tokens[i] if done else None,
                     )
                 )
@@ -304,16 +340,22 @@ class EagerStartBatchGenerator(BatchGenerator):
         batch: Callable[[Any, Any], PrimedGenerationBatch] | None = None,
         budget: PrefillBudget | None = None,
         urgent: Callable[[int], bool] = lambda uid: False,
+        encoder: Encoder | None = None,
         **kwargs: Any,
     ) -> None:
         """``batch(model, fallback_sampler)`` makes the (empty) generation batch every row
         joins: a ``PrimedGenerationBatch`` by default, a speculating one when asked.
-        ``budget`` limits prompt reading while rows decode, except for ``urgent`` rows."""
+        ``budget`` limits prompt reading while rows decode, except for ``urgent`` rows.
+        ``encoder``: decode steps are queued from its thread, on its stream (``encoding``)."""
+        if encoder is not None:
+            kwargs["stream"] = encoder.stream
         super().__init__(*args, **kwargs)
         compat.check_generator(self)
         self._hold = hold
         make = batch if batch is not None else PrimedGenerationBatch.empty
-        compat.set_generation_batch(self, make(self.model, self.sampler))
+        generating = make(self.model, self.sampler)
+        generating.encoder = encoder
+        compat.set_generation_batch(self, generating)
         self._budget = budget if budget is not None else PrefillBudget(share=1.0)
         self._urgent = urgent
         self._full_chunk = self.prefill_step_size
@@ -328,7 +370,21 @@ class EagerStartBatchGenerator(BatchGenerator):
         with generating.counting_holes():
             return super().remove(uids, return_prompt_caches)
 
+    def settle(self) -> None:
+        """Before anything that evaluates on this thread outside a step (``encoding``)."""
+        compat.generation_batch(self).settle()
+
     def _next(self) -> tuple[list[Any], list[Any]]:
+        generating = compat.generation_batch(self)
+        if compat.waiting(self) or len(compat.prompt_batch(self)):
+            # Prompts may be read (evaluated) in this step, after its decode: that decode is
+            # queued from this thread, and nothing is being queued from the encoder's.
+            generating.settle()
+            with generating.synchronous():
+                return self._step_reading()
+        return self._step_reading()
+
+    def _step_reading(self) -> tuple[list[Any], list[Any]]:
         started = self._start_unread_rows()
         budget = self._budget
         decoding_rows = len(compat.generation_batch(self))
@@ -383,6 +439,7 @@ class EagerStartBatchGenerator(BatchGenerator):
         counters.generation_tokens += len(responses)
         counters.generation_steps += 1
         if counters.generation_steps % 512 == 0:
+            self.settle()
             mx.clear_cache()
         return responses
 

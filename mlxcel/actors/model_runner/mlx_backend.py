@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, cast
 
 import attrs
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import StopSequences
 
 from mlxcel import native
@@ -24,6 +27,7 @@ from mlxcel.actors.model_runner.backend import ModelInfo
 from mlxcel.actors.model_runner.choices import choice_sampling
 from mlxcel.actors.model_runner.draft import DraftModel
 from mlxcel.actors.model_runner.eager_start import EagerStartBatchGenerator
+from mlxcel.actors.model_runner.encoding import Encoder
 from mlxcel.actors.model_runner.guide import Guide, GuideKit
 from mlxcel.actors.model_runner.memory import release_idle_memory
 from mlxcel.actors.model_runner.prefill_budget import PrefillBudget
@@ -47,6 +51,22 @@ from mlxcel.runtime.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# A step with nothing to change: the runner's steady decode, whose graph may still be queued
+# by the encoder's thread when the step returns (``encoding``).
+_PLAIN = StepPlan()
+
+
+def _encoder_wanted(settings: Settings) -> bool:
+    """Decode steps are queued from a thread of their own on the CPU (``encoding``: mlx's
+    encoding keeps the caller until the step is nearly computed); ``MLXCEL_ENCODER_THREAD=0``
+    queues them from the runner's thread. Not under --distributed, whose collectives run on
+    mlx-lm's own stream."""
+    return (
+        device.on_cpu()
+        and not settings.distributed
+        and os.environ.get("MLXCEL_ENCODER_THREAD", "1") != "0"
+    )
+
 
 @attrs.frozen
 class _Row:
@@ -65,6 +85,19 @@ class MlxBackend:
         self, loaded: LoadedModel, settings: Settings, draft: LoadedModel | None = None
     ) -> None:
         """``draft``: the ``--model-draft`` model, loaded (its tokenizer must be the model's)."""
+        self._encoder = Encoder() if _encoder_wanted(settings) else None
+        if self._encoder is not None:
+            # A graph the encoder queues must not reach a node it cannot queue: one left lazy
+            # on this thread's own stream ("There is no Stream(cpu, N) in current thread").
+            # So what building the model left lazy is computed now (mlx's global random key,
+            # which the layers' random initialisation advanced; private arrays such as a
+            # RoPE's frequencies), and what this backend computes goes on the encoder's
+            # stream (``_on_stream``).
+            mx.eval(mx.random.state, _held_arrays(loaded))
+        with self._on_stream():
+            self._build(loaded, settings, draft)
+
+    def _build(self, loaded: LoadedModel, settings: Settings, draft: LoadedModel | None) -> None:
         self._loaded = loaded
         self._vision = loaded.vision
         self._vlm_prefix = settings.vlm_prefix_cache
@@ -141,6 +174,7 @@ class MlxBackend:
             # Batch-invariant prompts are read in the chunks a lone request reads them in.
             budget=PrefillBudget(share=1.0 if settings.batch_invariant else settings.prefill_share),
             urgent=self._urgent.__contains__,
+            encoder=self._encoder,
         )
         self._vocab_size = int(loaded.vocab_size)
         tok = loaded.tokenizer
@@ -169,6 +203,13 @@ class MlxBackend:
         mx.set_cache_limit(settings.mlx_cache_limit_mib << 20)
         self._busy = False
 
+    def _on_stream(self) -> AbstractContextManager[Any]:
+        """What this backend computes goes on the encoder's stream (the runner's thread keeps
+        its own default stream for anything else)."""
+        if self._encoder is None:
+            return nullcontext()
+        return mx.stream(self._encoder.stream)
+
     def warmup(self) -> float:
         """Run one tiny generation so the first request pays no first-call costs."""
         tic = time.perf_counter()
@@ -184,6 +225,12 @@ class MlxBackend:
         return time.perf_counter() - tic
 
     def apply(self, plan: StepPlan) -> StepOutput:
+        with self._on_stream():
+            return self._apply(plan)
+
+    def _apply(self, plan: StepPlan) -> StepOutput:
+        if plan != _PLAIN:
+            self._gen.settle()  # what a plan changes may evaluate (``encoding``)
         if plan.reset_cache and self._cache is not None:
             self._cache.reset()
         for action in plan.slot_actions:
@@ -200,11 +247,23 @@ class MlxBackend:
                 # Idle: hand every freed buffer back, so a quiet server sits at its floor
                 # (model, prompt cache) whatever sizes the last burst needed.
                 self._busy = False
+                self._gen.settle()
                 release_idle_memory()
             return StepOutput(cached=cached, cache=self._stats())
         self._busy = True
 
         prompt_responses, generation_responses = self._gen.next()
+        if (
+            prompt_responses
+            or self._logprobs
+            or self._guides
+            or self._forks
+            or self._shift
+            or any(r.finish_reason is not None for r in generation_responses)
+        ):
+            # Scores, grammars, forks, context shifts and the prompt cache evaluate; a plain
+            # step returns while its own graph is still being queued (``encoding``).
+            self._gen.settle()
         drafts = self._drafts(bool(prompt_responses))
         errors = self._failed_guides(generation_responses) if self._guides else ()
         scored = self._score(generation_responses) if self._logprobs else {}
@@ -634,11 +693,28 @@ class MlxBackend:
         The model's memory goes back too (router mode unloads models): every array this
         backend holds is dropped, reference cycles are collected, and mlx's allocator
         returns the freed buffers instead of keeping them for reuse."""
+        self._gen.settle()
         self._gen.close()
+        if self._encoder is not None:
+            self._encoder.close()
         self.__dict__.clear()
         gc.collect()
         release_idle_memory()
         release_thread_streams()
+
+
+def _held_arrays(loaded: LoadedModel) -> list[mx.array]:
+    """Every array the model's modules hold, private ones too (``parameters()`` skips names
+    that start with an underscore); a vision model's whole model."""
+    roots = [loaded.model, loaded.vision.model if loaded.vision is not None else None]
+    return [
+        value
+        for root in roots
+        if isinstance(root, nn.Module)
+        for _, module in root.named_modules()
+        for value in (*module.values(), *vars(module).values())
+        if isinstance(value, mx.array)
+    ]
 
 
 def _draft_model(

@@ -139,6 +139,7 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
         for s in eligible:
             if s is not None:
                 s.stats.idle = 0
+        self.settle()  # a look is a host sync
         pending_array = compat.next_tokens(self)
         mx.eval(pending_array)
         pending = cast(list[int], pending_array.tolist())
