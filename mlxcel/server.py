@@ -109,7 +109,11 @@ def build_mlx_backend(settings: Settings) -> Backend:
     backend = MlxBackend(loaded, settings, draft)
     log.info("loaded %s from %s on %s", backend.info.description, loaded.path, backend.info.device)
     if settings.warmup:
-        log.info("warmed up in %.2f s", backend.warmup())
+        try:
+            log.info("warmed up in %.2f s", backend.warmup())
+        except BaseException:
+            backend.close()  # its threads must not outlive a refused start
+            raise
     return backend
 
 

@@ -94,8 +94,15 @@ class MlxBackend:
             # RoPE's frequencies), and what this backend computes goes on the encoder's
             # stream (``_on_stream``).
             mx.eval(mx.random.state, _held_arrays(loaded))
-        with self._on_stream():
-            self._build(loaded, settings, draft)
+        try:
+            with self._on_stream():
+                self._build(loaded, settings, draft)
+        except BaseException:
+            # A refused start (an adapter that does not fit): no thread of ours may outlive
+            # it, or mlx aborts the process at exit instead of the error line being the last.
+            if self._encoder is not None:
+                self._encoder.close()
+            raise
 
     def _build(self, loaded: LoadedModel, settings: Settings, draft: LoadedModel | None) -> None:
         self._loaded = loaded
@@ -693,10 +700,12 @@ class MlxBackend:
         The model's memory goes back too (router mode unloads models): every array this
         backend holds is dropped, reference cycles are collected, and mlx's allocator
         returns the freed buffers instead of keeping them for reuse."""
-        self._gen.settle()
-        self._gen.close()
-        if self._encoder is not None:
-            self._encoder.close()
+        try:
+            self._gen.settle()
+            self._gen.close()
+        finally:  # whatever the last step raised, the encoder's thread ends
+            if self._encoder is not None:
+                self._encoder.close()
         self.__dict__.clear()
         gc.collect()
         release_idle_memory()
