@@ -71,6 +71,9 @@ def _stop(state: _State) -> None:
 def _serve(state: _State) -> None:
     """The encoder's thread: queue each job; on close, hand the stream back (here, after the
     last job, so that no two threads ever encode onto it)."""
+    # mlx's eval asks for the calling thread's default stream: this thread's is the encoder's,
+    # so mlx makes it none of its own (a thread's own stream must not outlive it).
+    mx.set_default_stream(state.stream)
     while True:
         with state.cond:
             while state.job is None and not state.closed:
@@ -87,9 +90,6 @@ def _serve(state: _State) -> None:
             state.busy = False
             state.cond.notify_all()
     mx.synchronize(state.stream)  # its work done before anyone else may queue on it
-    # mlx made this thread a stream of its own (eval's default); it must not outlive the
-    # thread (loader.release_thread_streams says why).
-    mx.clear_streams()
     _give_stream(state.stream)
 
 
