@@ -1,8 +1,9 @@
 """Constraints -> llguidance grammars (pure text; no mlx, no matcher state).
 
 A ``Constraint`` from a request becomes one llguidance grammar string, which the model runner
-turns into a per-sequence matcher. JSON formats use llguidance's JSON-schema compiler; a forced
-tool call becomes a Lark grammar in the template's tool-call wire format (see
+turns into a per-sequence matcher. JSON formats use llguidance's JSON-schema compiler, on the
+schema as llama.cpp reads it (``json_schemas.close_schema``: objects closed, integers
+bounded); a forced tool call becomes a Lark grammar in the template's tool-call wire format (see
 ``mlxcel.actors.toolcalls``) with each call's arguments constrained by that tool's
 ``parameters`` schema through ``%json``. A marker that is a single special token in the
 tokenizer is matched as that token (``<[id]>``), since the model emits the token, not its
@@ -23,6 +24,7 @@ from llguidance import LLMatcher
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # only in the type stub
 
+from mlxcel.actors.json_schemas import close_schema
 from mlxcel.actors.toolcalls.events import ToolFormat
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import (
@@ -66,7 +68,9 @@ def schema_grammar(schema_json: str, *, param: str = "response_format") -> str:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"Invalid {param}: a JSON schema must be an object", param=param)
     try:
-        grammar = LLMatcher.grammar_from_json_schema(schema_json, overrides=JSON_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(
+            json.dumps(close_schema(schema)), overrides=JSON_OPTIONS
+        )
     except ValueError as error:
         raise GrammarError(f"Invalid {param}: {error}", param=param) from None
     return _check(grammar, param)
@@ -116,7 +120,7 @@ def _tool_index(tools: Sequence[Mapping[str, Any]], names: Sequence[str]) -> lis
 
 
 def _json_rule(schema: Mapping[str, Any]) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return "%json " + json.dumps({**close_schema(schema), "x-guidance": JSON_OPTIONS})
 
 
 def _call_object(name: str, params: Any, args_key: str) -> dict[str, Any]:
