@@ -83,6 +83,7 @@ def build_mlx_backend(settings: Settings) -> Backend:
         resolved,
         keep_quantized=settings.keep_quantized,
         native=not settings.distributed,
+        ctx_size=settings.ctx_size,
     )
     if settings.distributed:
         shard_model(loaded.model)
@@ -104,6 +105,7 @@ def build_mlx_backend(settings: Settings) -> Backend:
         assert settings.model_draft is not None
         draft = load_model(
             resolve_model(settings.model_draft, settings.cache_dir),
+            ctx_size=settings.ctx_size,
         )
         log.info("draft model %s (%s) from %s", draft.model_id, draft.dtype, draft.path)
     backend = MlxBackend(loaded, settings, draft)

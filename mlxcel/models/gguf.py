@@ -79,8 +79,12 @@ def convert_gguf(gguf_path: Path, dest: Path, *, keep_quantized: bool = False) -
     """
     gguf = read_gguf(gguf_path)
     raw, md = gguf.tensors, gguf.metadata
+    long, short = raw.get("rope_factors_long.weight"), raw.get("rope_factors_short.weight")
     config = config_from_metadata(
-        md, tied="output.weight" not in raw, rope_freqs=raw.get("rope_freqs.weight")
+        md,
+        tied="output.weight" not in raw,
+        rope_freqs=raw.get("rope_freqs.weight"),
+        rope_factors=None if long is None and short is None else (long, short),
     )
     weights, quantization = _convert_weights(raw, config, keep_quantized=keep_quantized)
     if quantization is not None:

@@ -11,6 +11,10 @@ ones. What llama.cpp's converter (``convert_hf_to_gguf.py``) changed on the way 
 - Llama 3.1+ RoPE scaling: not keys but a ``rope_freqs`` tensor of per-frequency divisors;
   mlx-lm's ``longrope`` (SuScaledRoPE) takes exactly such a list, with no attention scale
   when its original and maximum context agree.
+- Phi-3 LongRoPE (128k, 3.5, Phi-4-mini): ``rope_factors_long`` / ``rope_factors_short``
+  tensors and a ``rope.scaling.attn_factor`` key become HF's ``longrope`` block with
+  ``attention_factor``; which factors run is chosen when the model loads, for the context
+  it is served with (``models/longrope.py``), as llama.cpp chooses them.
 
 Transforms are row-wise (or on float-only norm vectors), so a quantised tensor's
 ``weight``/``scales``/``biases`` stay consistent.
@@ -85,12 +89,18 @@ _GEMMA = {"gemma2", "gemma3_text"}
 
 
 def config_from_metadata(
-    md: dict[str, Any], *, tied: bool, rope_freqs: mx.array | None = None
+    md: dict[str, Any],
+    *,
+    tied: bool,
+    rope_freqs: mx.array | None = None,
+    rope_factors: tuple[mx.array | None, mx.array | None] | None = None,
 ) -> dict[str, Any]:
     """The HF config.json of the model the GGUF metadata ``md`` describes.
 
     ``tied``: the file has no ``output`` tensor. ``rope_freqs``: its ``rope_freqs.weight``
-    (Llama 3.1+), if any. Raises UnsupportedModel for an architecture or RoPE not served."""
+    (Llama 3.1+), if any. ``rope_factors``: its ``rope_factors_long.weight`` and
+    ``rope_factors_short.weight`` (Phi-3 LongRoPE), None when it has neither. Raises
+    UnsupportedModel for an architecture or RoPE not served."""
     arch = _value(md, "general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedModel(
@@ -135,7 +145,13 @@ def config_from_metadata(
         if model_type != "phi3":
             raise UnsupportedModel(f"GGUF {arch} with partial RoPE ({rotary} of {head_dim})")
         config["partial_rotary_factor"] = int(rotary) / head_dim
-    scaling = _rope_scaling(md, arch, context, rope_freqs)
+    scaling: dict[str, Any] | None
+    if rope_factors is not None:
+        if model_type != "phi3":
+            raise UnsupportedModel(f"GGUF {arch} with LongRoPE factors (rope_factors_long)")
+        scaling = _longrope(md, arch, context, rope_factors, int(rotary or head_dim))
+    else:
+        scaling = _rope_scaling(md, arch, context, rope_freqs)
     if scaling is not None:
         config["rope_scaling"] = scaling
     config.update(_ARCH_EXTRAS[model_type](md, arch, config))
@@ -144,6 +160,42 @@ def config_from_metadata(
         if token_id is not None:
             config[f"{role}_token_id"] = int(token_id)
     return config
+
+
+def _factor_list(factors: mx.array | None, n: int) -> list[float]:
+    if factors is None:  # llama.cpp then rotates with no factors: all 1
+        return [1.0] * n
+    listed: Any = factors.astype(mx.float32).reshape(-1).tolist()
+    if len(listed) != n:
+        raise UnsupportedModel(f"GGUF LongRoPE factors: {len(listed)} of them for {n} frequencies")
+    return [float(f) for f in listed]
+
+
+def _longrope(
+    md: dict[str, Any],
+    arch: str,
+    context: int,
+    factors: tuple[mx.array | None, mx.array | None],
+    rotary: int,
+) -> dict[str, Any]:
+    kind = _value(md, f"{arch}.rope.scaling.type")
+    factor = _value(md, f"{arch}.rope.scaling.factor")
+    if kind not in (None, "none", "linear", "longrope") or factor not in (None, 0, 1):
+        # llama.cpp would stack that scaling onto the factors; no file we know does.
+        raise UnsupportedModel(f"GGUF {arch} with LongRoPE factors and {kind!r} RoPE scaling")
+    long, short = factors
+    return {
+        "type": "longrope",
+        "long_factor": _factor_list(long, rotary // 2),
+        "short_factor": _factor_list(short, rotary // 2),
+        # llama.cpp's n_ctx_orig_yarn: the context above which the long factors run.
+        "original_max_position_embeddings": int(
+            _value(md, f"{arch}.rope.scaling.original_context_length", context)
+        ),
+        # llama.cpp multiplies cos and sin by this key (default 1), whichever factors run;
+        # the converter wrote sqrt(1 + ln(max / original) / ln(original)) into it.
+        "attention_factor": _f32(_value(md, f"{arch}.rope.scaling.attn_factor", 1.0)),
+    }
 
 
 def _rope_scaling(
@@ -219,8 +271,7 @@ def _gemma2(md: dict[str, Any], arch: str, config: dict[str, Any]) -> dict[str, 
         "attn_logit_softcapping": _f32(_value(md, f"{arch}.attn_logit_softcapping", 50.0)),
         "final_logit_softcapping": _f32(_value(md, f"{arch}.final_logit_softcapping", 30.0)),
         "query_pre_attn_scalar": _gemma_scalar(config, 46),
-        # mlx-lm's gemma2 attends over the full context on every layer: equal to llama.cpp's
-        # alternating 4096-token window only while a sequence is shorter than the window.
+        # On the even layers (models/gemma2_layers.py); llama.cpp's default when unkeyed.
         "sliding_window": int(_value(md, f"{arch}.attention.sliding_window", 4096)),
     }
 
@@ -282,9 +333,7 @@ def convert_tensor(
     """A GGUF tensor (or the ``.scales``/``.biases`` of a quantised one) as the HF name and
     array mlx-lm's model takes, or None for a tensor the model does not take. Transforms
     are row-wise, so a quantised tensor's three parts stay consistent."""
-    if name.startswith("rope_factors_"):
-        raise UnsupportedModel("GGUF with LongRoPE factors (rope_factors_long) is not served yet")
-    if name.startswith("rope_freqs."):
+    if name.startswith(("rope_freqs.", "rope_factors_")):
         return None  # config_from_metadata put it into rope_scaling
     model_type = config.get("model_type", "llama")
     if model_type == "llama":

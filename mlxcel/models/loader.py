@@ -24,7 +24,7 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
-from mlxcel.models import device, fast_lm, mlx_lm_compat, vlm
+from mlxcel.models import device, fast_lm, gemma2_layers, longrope, mlx_lm_compat, vlm
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
@@ -92,6 +92,7 @@ def load_model(
     dtype: str | None = None,
     keep_quantized: bool = False,
     native: bool = True,
+    ctx_size: int = 0,
 ) -> LoadedModel:
     """Load ``resolved`` with mlx_lm; blocking, evaluates all weights before returning.
 
@@ -100,6 +101,9 @@ def load_model(
     affine 4/8-bit layers run on mlxcel's native kernels (``mlxcel.native``) with their
     weights as stored, when they are built and ``native`` (``MLXCEL_NATIVE=0`` turns them off
     too); other quantised layers are dequantised to float32.
+
+    ``ctx_size`` is the context per sequence it will serve (0: the model's own); a LongRoPE
+    model's factors are chosen for it, as llama.cpp chooses them (``models.longrope``).
 
     Raises ``IncompatibleMlxLm`` first when the installed mlx-lm is not one we tested."""
     from mlx_lm.utils import load
@@ -125,6 +129,10 @@ def load_model(
         raise UnsupportedModel(
             f"cannot load model {resolved.model_id!r} from {resolved.path}: {exc}"
         ) from exc
+    longrope.apply(
+        model, config, ctx_size or _context_length(config, mlx_lm_compat.tokenizer_of(wrapper))
+    )
+    gemma2_layers.install(model, config)
     on_native = 0
     kept: set[str] = set()
     if not keep_quantized and cpu:

@@ -22,6 +22,8 @@ mlxcel names a private attribute of mlx-lm:
 - row reuse (``actors/model_runner/row_reuse.py``) puts a joining row in a finished one's
   place: its per-row state (``place_rows``) and its keys and values (``kv_rows_fit``,
   ``write_kv_rows``, ``live_left_padding``);
+- LongRoPE (``models/longrope.py``) sets the divisors and input scale a ``SuScaledRoPE``
+  keeps privately (``set_longrope``: the short factors, which mlx-lm never runs);
 - speculation (``actors/model_runner/speculative_batch.py``) feeds a batch several tokens per
   row and takes back each row's rejected ones (``rewind_rows``, through ``BatchKVCache``'s
   right-padding roll), and sets a batch's pending tokens (``set_next_tokens``) and the state
@@ -81,6 +83,7 @@ __all__ = [
     "row_counters",
     "row_stages",
     "set_generation_batch",
+    "set_longrope",
     "set_current",
     "set_next_logprobs",
     "set_next_tokens",
@@ -408,6 +411,18 @@ def lru_remove(lru: Any, key: str, tokens: list[int]) -> bool:
     lru._n_bytes -= entry.nbytes
     lru._n_bytes_by_type[entry.cache_type] -= entry.nbytes
     return True
+
+
+def set_longrope(rope: Any, freqs: mx.array, scale: float | None) -> None:
+    """Make a ``SuScaledRoPE`` divide by ``freqs`` (one per rotated pair) and, unless None,
+    scale its rotated input by ``scale``, as its constructor does with ``long_factor``."""
+    if not (hasattr(rope, "_freqs") and hasattr(rope, "_scale")):
+        raise IncompatibleMlxLm(f"mlx-lm {installed_version()} lacks SuScaledRoPE._freqs/_scale")
+    if rope._freqs.shape != freqs.shape:
+        raise ValueError(f"{freqs.shape[0]} LongRoPE frequencies for {rope._freqs.shape[0]}")
+    rope._freqs = freqs
+    if scale is not None:
+        rope._scale = scale
 
 
 def tokenizer_of(wrapper: Any) -> Any:

@@ -297,13 +297,13 @@ def _qwen(
             _mlp(t, p, d)
 
 
-def _gemma(w: Any, t: _Tensors, *, arch: str) -> None:
+def _gemma(w: Any, t: _Tensors, *, arch: str, window: int = 4096) -> None:
     d = dataclasses.replace(TINY, head_dim=32, layers=6 if arch == "gemma3" else TINY.layers)
     _common_keys(w, arch, d)
     if arch == "gemma2":
         w.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
         w.add_float32(f"{arch}.final_logit_softcapping", 30.0)
-        w.add_uint32(f"{arch}.attention.sliding_window", 4096)
+        w.add_uint32(f"{arch}.attention.sliding_window", window)
     else:
         w.add_float32(f"{arch}.rope.freq_base", 1000000.0)
         # Small, so the fixed prompt reaches past it on the five sliding layers of six.
@@ -327,11 +327,29 @@ def _gemma(w: Any, t: _Tensors, *, arch: str) -> None:
         t.vector(f"{p}.post_ffw_norm.weight", d.hidden)
 
 
-def _phi3(w: Any, t: _Tensors) -> None:
+# LongRoPE: the original context the tiny Phi-3 trained at. Below the oracle's 512-token
+# context (long factors run) and equal to the 256 of the "-short" record (short factors run).
+LONGROPE_ORIGINAL = 256
+
+
+def _phi3(w: Any, t: _Tensors, *, longrope: bool = False) -> None:
     arch, d = "phi3", TINY
     _common_keys(w, arch, d)
     w.add_uint32(f"{arch}.rope.dimension_count", d.head_dim)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    if longrope:
+        # As convert_hf_to_gguf writes Phi-3 128k: the original context, the attention
+        # factor sqrt(1 + ln(max / original) / ln(original)), and the two factor tensors.
+        # Factors far apart (long up to 40x, short up to 3x), so the set that runs shows.
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", LONGROPE_ORIGINAL)
+        scale = CONTEXT / LONGROPE_ORIGINAL
+        w.add_float32(
+            f"{arch}.rope.scaling.attn_factor",
+            float(np.sqrt(1 + np.log(scale) / np.log(LONGROPE_ORIGINAL))),
+        )
+        pairs = d.head_dim // 2
+        w.add_tensor("rope_factors_long.weight", np.geomspace(1.0, 40.0, pairs, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.linspace(1.0, 3.0, pairs, dtype=np.float32))
     vocab = _add_vocab(w, "spm", None)
     _embeddings(t, vocab, d, tied=False)
     for i in range(d.layers):
@@ -386,6 +404,7 @@ class Model:
     build: Callable[[Any, _Tensors], None]  # writes the keys and tensors
     types: Mapping[str, str] = dataclasses.field(default_factory=dict)  # else F32
     file_type: int = 0  # general.file_type (llama_ftype): ALL_F32
+    ctx: int = 512  # the context per sequence both sides serve it with (llama-server's -c)
 
 
 MODELS: dict[str, Model] = {
@@ -416,8 +435,14 @@ MODELS: dict[str, Model] = {
         file_type=15,  # MOSTLY_Q4_K_M
     ),
     "gemma2": Model("gemma2", functools.partial(_gemma, arch="gemma2")),
+    # A window of 8, so the fixed prompt reaches past it on the sliding layer (layer 0 of 2).
+    "gemma2-window": Model("gemma2", functools.partial(_gemma, arch="gemma2", window=8)),
     "gemma3": Model("gemma3", functools.partial(_gemma, arch="gemma3")),
     "phi3": Model("phi3", _phi3),
+    "phi3-longrope": Model("phi3", functools.partial(_phi3, longrope=True)),
+    "phi3-longrope-short": Model(
+        "phi3", functools.partial(_phi3, longrope=True), ctx=LONGROPE_ORIGINAL
+    ),
 }
 
 

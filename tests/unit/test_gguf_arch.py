@@ -149,8 +149,6 @@ def test_qwen3moe_experts_and_phi3_fused_projections() -> None:
     assert convert_tensor("blk.0.ffn_up.weight", experts, phi3)[0] == (  # type: ignore[index]
         "model.layers.0.mlp.gate_up_proj.weight"
     )
-    with pytest.raises(UnsupportedModel, match="LongRoPE"):
-        convert_tensor("rope_factors_long.weight", mx.ones(8), phi3)
 
 
 # A SentencePiece vocabulary small enough to read: control tokens, byte fallback, pieces.

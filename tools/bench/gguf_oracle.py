@@ -5,7 +5,8 @@
     .venv/bin/python tools/bench/gguf_oracle.py qwen3 phi3   # some (merged into the record)
 
 For each model of ``tests/support/tiny_gguf.py`` it writes the file, starts ``llama-server``
-on it (``llama_server.find_or_build``; 127.0.0.1, a free port) and records into
+on it (``llama_server.find_or_build``; 127.0.0.1, a free port, one slot of the model's ``ctx``
+tokens, recorded as ``ctx``: LongRoPE's factors depend on it) and records into
 ``tests/data/gguf_oracle.json``:
 
 - ``tokenize``: ``/tokenize`` of ``TEXT`` (no BOS, special tokens parsed);
@@ -71,11 +72,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ask(gguf: Path) -> dict[str, Any]:
-    """llama-server's answers for one file (see the module doc)."""
+def ask(gguf: Path, ctx: int) -> dict[str, Any]:
+    """llama-server's answers for one file served with a context of ``ctx`` tokens (see the
+    module doc)."""
     port = _free_port()
     with tempfile.TemporaryFile() as log:
-        proc = llama_server.start(gguf, port, parallel=1, ctx=512, extra=FLOAT32, log_file=log)
+        proc = llama_server.start(gguf, port, parallel=1, ctx=ctx, extra=FLOAT32, log_file=log)
         try:
             llama_server.wait_ready(port, 120, proc)
             tokens = _post(
@@ -145,7 +147,8 @@ def main(names: list[str]) -> int:
         for name in names or list(MODELS):
             gguf = write_tiny_gguf(name, Path(tmp) / f"{name}.gguf")
             llama_server.log(f"{name}: asking llama-server")
-            models[name] = {"sha256": sha256(gguf), **ask(gguf)}
+            ctx = MODELS[name].ctx
+            models[name] = {"sha256": sha256(gguf), "ctx": ctx, **ask(gguf, ctx)}
     record["models"] = dict(sorted(models.items()))
     RECORD.parent.mkdir(parents=True, exist_ok=True)
     RECORD.write_text(_dumps(record), encoding="utf-8")
