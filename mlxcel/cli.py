@@ -666,7 +666,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         env="MLXCEL_REALTIME_MAX_SESSIONS",
         type=int,
         default=d.realtime_max_sessions,
-        help="realtime voice WebSocket sessions open at once; more get server_busy and close 1013",
+        help="realtime voice WebSocket sessions open at once; more get server_busy and close "
+        "1013; default: what the server serves at real-time pace, min(--parallel, "
+        "--audio-queue-depth); above that a warning at start",
     )
     opt(
         "--realtime-send-timeout-secs",
@@ -981,7 +983,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         "--tool-format": args.tool_format in TOOL_FORMATS,
         "--audio-queue-depth": args.audio_queue_depth >= 1,
         "--audio-request-timeout-secs": args.audio_request_timeout_secs > 0,
-        "--realtime-max-sessions": args.realtime_max_sessions >= 1,
+        "--realtime-max-sessions": args.realtime_max_sessions is None
+        or args.realtime_max_sessions >= 1,
         "--realtime-send-timeout-secs": args.realtime_send_timeout_secs > 0,
         "--distributed-timeout": args.distributed_timeout > 0,
     }

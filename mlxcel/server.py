@@ -24,6 +24,8 @@ from hypercorn.trio import serve as hypercorn_serve
 from mlxcel.actors.audio.start import start_audio
 from mlxcel.actors.hosting import Hosted, host_model
 from mlxcel.actors.model_runner.backend import Backend
+from mlxcel.actors.realtime.capacity import announce as announce_realtime
+from mlxcel.actors.realtime.capacity import session_capacity
 from mlxcel.actors.registry import Registry, scan_models_dir
 from mlxcel.actors.session_store import open_session_store
 from mlxcel.actors.side_models import (
@@ -259,6 +261,13 @@ async def serve(
             streams=streams,
             background=background,
             lora=lora,
+            # The one model's own rows (fewer than --parallel for one that cannot batch); in
+            # router mode every model is hosted with --parallel.
+            realtime=session_capacity(
+                settings.realtime_max_sessions,
+                parallel=one.parallel if one is not None else settings.parallel,
+                audio_queue_depth=settings.audio_queue_depth,
+            ),
         )
         metrics.live.scheduler = registry.statistics
         metrics.live.queued = lambda: registry.queued
@@ -274,8 +283,10 @@ async def serve(
         app = InFlight(Hangups(quart), scope=registry.request_scope)
         metrics.live.in_flight = lambda: app.active
         if audio.stt is not None:  # realtime voice needs speech-to-text
-            limit = settings.realtime_max_sessions
-            metrics.live.realtime_sessions = lambda: realtime_statistics(quart, limit)
+            capacity = ctx.realtime_capacity()
+            metrics.live.realtime_sessions = lambda: realtime_statistics(quart, capacity)
+            if audio.tts is not None and side.generation:
+                announce_realtime(capacity, log)
         http_stop = trio.Event()
         http_done = trio.Event()
 

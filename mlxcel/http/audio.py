@@ -26,6 +26,7 @@ from mlxcel.actors.audio.decode import decode_audio
 from mlxcel.actors.audio.encode import SpeechEncoder, available_formats
 from mlxcel.actors.audio.stt import SpeechToText
 from mlxcel.actors.audio.tts import TextToSpeech
+from mlxcel.actors.realtime.capacity import SessionCapacity
 from mlxcel.http import audio_wire as wire
 from mlxcel.http.context import ServerContext, read_json, server
 from mlxcel.http.errors import error_response
@@ -344,5 +345,21 @@ def audio_capabilities(ctx: ServerContext) -> dict[str, Any]:
             "sample_rate": tts.sample_rate,
             "voices": list(tts.info.voices),
             "formats": list(available_formats()),
+        },
+        # The realtime voice WebSocket's session cap and what the server serves at real-time
+        # pace (``actors/realtime/capacity.py``); None without it.
+        "realtime": None
+        if stt is None or tts is None or not ctx.generation
+        else _realtime_props(ctx.realtime_capacity()),
+    }
+
+
+def _realtime_props(capacity: SessionCapacity) -> dict[str, Any]:
+    return {
+        "max_sessions": capacity.limit,
+        "capacity": capacity.derived,
+        "capacity_from": {
+            "parallel": capacity.parallel,
+            "audio_queue_depth": capacity.audio_queue_depth,
         },
     }

@@ -23,6 +23,7 @@ from mlxcel.actors.audio.stt import SpeechToText
 from mlxcel.actors.audio.tts import TextToSpeech
 from mlxcel.actors.embedder import Embedder
 from mlxcel.actors.model_runner.backend import ModelInfo
+from mlxcel.actors.realtime.capacity import SessionCapacity, session_capacity
 from mlxcel.actors.session_store import SessionStore
 from mlxcel.actors.stream_sessions import StreamSessions
 from mlxcel.actors.toolcalls import ToolFormat
@@ -202,6 +203,18 @@ class ServerContext:
     background: StreamSessions = attrs.field(factory=StreamSessions)
     # --lora adapters and their global scales (/lora-adapters).
     lora: LoraTable = attrs.field(factory=LoraTable)
+    # The realtime session cap, worked out at start from the model's decode rows (None: from
+    # the settings alone, e.g. a context built without a server).
+    realtime: SessionCapacity | None = None
+
+    def realtime_capacity(self) -> SessionCapacity:
+        """The realtime session cap and what it is derived from."""
+        if self.realtime is not None:
+            return self.realtime
+        s = self.settings
+        return session_capacity(
+            s.realtime_max_sessions, parallel=s.parallel, audio_queue_depth=s.audio_queue_depth
+        )
 
     @property
     def ping_interval(self) -> float:

@@ -4,8 +4,9 @@ The handshake is checked before the upgrade is accepted, so failures are plain H
 401 without a valid key (``Authorization: Bearer``, ``X-Api-Key``, or from a browser the
 subprotocol ``openai-insecure-api-key.<key>`` next to ``realtime``; a key in the query
 string is refused even when valid, because query strings end up in access logs), 501 when the
-server has no chat model, speech-to-text or text-to-speech. A connection beyond
-``--realtime-max-sessions`` is accepted, told ``error{code:"server_busy"}`` and closed 1013.
+server has no chat model, speech-to-text or text-to-speech. A connection beyond the session
+cap (``--realtime-max-sessions``, by default what the server serves at real-time pace:
+``actors/realtime/capacity.py``) is accepted, told ``error{code:"server_busy"}`` and closed 1013.
 
 Vocabulary: ``?protocol=openai`` or ``?protocol=voicechat`` chooses; without it a ``model``
 query parameter (what the OpenAI SDK's ``realtime.connect(model=...)`` sends) selects OpenAI
@@ -24,6 +25,7 @@ import attrs
 import trio
 from quart import Blueprint, Quart, Response, current_app, websocket
 
+from mlxcel.actors.realtime.capacity import SessionCapacity
 from mlxcel.actors.realtime.config import new_id
 from mlxcel.actors.realtime.vad import shared_model
 from mlxcel.actors.realtime_voice import RealtimeSession, VoiceDeps
@@ -65,14 +67,18 @@ KEY_PARAMS = frozenset(
 
 @attrs.define
 class SessionGate:
-    """How many realtime sessions are open, against ``--realtime-max-sessions``; the open
-    sessions themselves (their buffers, for /metrics) and those dropped for a slow client."""
+    """How many realtime sessions are open, against the cap; the open sessions themselves
+    (their buffers, for /metrics) and those dropped for a slow client."""
 
-    limit: int
+    capacity: SessionCapacity
     open: int = 0
     vad_limiter: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(2))
     sessions: set[RealtimeSession] = attrs.field(factory=set)
     dropped: collections.Counter[str] = attrs.field(factory=collections.Counter)
+
+    @property
+    def limit(self) -> int:
+        return self.capacity.limit
 
     def try_enter(self) -> bool:
         if self.open >= self.limit:
@@ -87,22 +93,23 @@ class SessionGate:
         return RealtimeStatistics(
             open=self.open,
             limit=self.limit,
+            capacity=self.capacity.derived,
             input_bytes=sum(s.input_bytes for s in self.sessions),
             output_bytes=sum(s.output_bytes for s in self.sessions),
             dropped=tuple(sorted(self.dropped.items())),
         )
 
 
-def realtime_statistics(app: Quart, limit: int) -> RealtimeStatistics:
+def realtime_statistics(app: Quart, capacity: SessionCapacity) -> RealtimeStatistics:
     """The realtime sessions of ``app`` (the Quart app; its gate is made at the first)."""
     gate: SessionGate | None = app.config.get("MLXCEL_REALTIME")
-    return gate.statistics() if gate is not None else SessionGate(limit).statistics()
+    return gate.statistics() if gate is not None else SessionGate(capacity).statistics()
 
 
 def _gate(ctx: ServerContext) -> SessionGate:
     gate: SessionGate | None = current_app.config.get("MLXCEL_REALTIME")
     if gate is None:
-        gate = SessionGate(ctx.settings.realtime_max_sessions)
+        gate = SessionGate(ctx.realtime_capacity())
         current_app.config["MLXCEL_REALTIME"] = gate
     return gate
 

@@ -597,8 +597,10 @@ class RealtimeStatistics:
     """The realtime voice sessions at one moment, for /metrics."""
 
     open: int
-    # --realtime-max-sessions.
+    # Sessions admitted at once: --realtime-max-sessions, else ``capacity``.
     limit: int
+    # What the decode rows and speech workers serve at real-time pace (derived at start).
+    capacity: int
     # Summed over open sessions: uncommitted input audio held, and outgoing events queued and
     # not yet handed to the socket.
     input_bytes: int

@@ -155,9 +155,16 @@ def _realtime(sessions: RealtimeStatistics) -> Iterator[GaugeMetricFamily | Coun
     )
     yield GaugeMetricFamily(
         "mlxcel_realtime_sessions_limit",
-        "Realtime voice sessions admitted at most (--realtime-max-sessions); more are "
-        "refused at open with server_busy (close 1013).",
+        "Realtime voice sessions admitted at most (--realtime-max-sessions, else the "
+        "capacity); more are refused at open with server_busy (close 1013).",
         value=sessions.limit,
+    )
+    yield GaugeMetricFamily(
+        "mlxcel_realtime_sessions_capacity",
+        "Realtime voice sessions this server serves at real-time pace: min(--parallel, "
+        "--audio-queue-depth), one decode row and one place at each speech worker a session. "
+        "A limit above it was warned about at start.",
+        value=sessions.capacity,
     )
     held = GaugeMetricFamily(
         "mlxcel_realtime_buffered_bytes",

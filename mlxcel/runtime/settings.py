@@ -164,7 +164,8 @@ class Settings:
     audio_queue_depth: int = 8
     audio_request_timeout_secs: float = 120.0
     # Realtime voice WebSocket sessions open at once (more: error server_busy, close 1013).
-    realtime_max_sessions: int = 8
+    # None: derived from --parallel and --audio-queue-depth (actors/realtime/capacity.py).
+    realtime_max_sessions: int | None = None
     # Seconds a realtime client may leave one outgoing event (or the close) untaken before its
     # connection is dropped: a client that reads nothing cannot be sent even a close frame.
     realtime_send_timeout_secs: float = 10.0

@@ -338,6 +338,16 @@ def test_models_and_props_list_audio(client: openai.OpenAI, audio_server: Server
     assert caps["speech_to_text"]["model"] == "whisper-tiny.en"
     assert caps["text_to_speech"]["sample_rate"] == 22050
     assert "wav" in caps["text_to_speech"]["formats"]
+    # No --realtime-max-sessions: the cap is what 2 decode rows and speech workers of one
+    # place each serve at real-time pace (one session), and the log says where it came from.
+    assert caps["realtime"] == {
+        "max_sessions": 1,
+        "capacity": 1,
+        "capacity_from": {"parallel": 2, "audio_queue_depth": 1},
+    }
+    log = audio_server.log()
+    assert "realtime voice sessions at once: 1 (min(--parallel 2, --audio-queue-depth 1))" in log
+    assert "is above the" not in log
 
 
 def test_no_audio_server_answers_501(tiny_model_dir: Path) -> None:

@@ -1,7 +1,9 @@
 """/v1/realtime past capacity (issue 39): more clients than ``--realtime-max-sessions``, each
 speaking one question at the same moment, against speech workers with room for one job each
 (``--audio-queue-depth 1``). The refused ones are refused at open; every admitted session's
-turn is transcribed and answered with audio, however long its turn waits for the workers."""
+turn is transcribed and answered with audio, however long its turn waits for the workers.
+That cap is above what the workers carry at real-time pace (one session), so the server warns
+at start, naming both numbers."""
 
 from __future__ import annotations
 
@@ -128,8 +130,20 @@ async def test_every_admitted_turn_is_answered_past_capacity(crowded: ServerProc
     # Sessions open against the cap, during the crowd and after it.
     assert crowd["mlxcel_realtime_sessions_open"][()] == CAP
     assert crowd["mlxcel_realtime_sessions_limit"][()] == CAP
+    assert crowd["mlxcel_realtime_sessions_capacity"][()] == 1
     after = await trio.to_thread.run_sync(session_metrics, crowded.base_url)
     assert after["mlxcel_realtime_sessions_open"][()] == 0
+
+
+def test_a_cap_above_the_capacity_is_warned_about_at_start(crowded: ServerProcess) -> None:
+    log = crowded.log()
+    assert "realtime voice sessions at once: 3 (--realtime-max-sessions)" in log
+    warning = next(line for line in log.splitlines() if "is above the" in line)
+    assert "WARNING" in warning
+    assert "--realtime-max-sessions 3 is above the 1 realtime sessions" in warning
+    assert "Raise --audio-queue-depth to 3" in warning  # --parallel 3 carries 3 already
+    caps = httpx.get(f"{crowded.base_url}/props", timeout=30).json()["capabilities"]
+    assert caps["realtime"]["max_sessions"] == CAP and caps["realtime"]["capacity"] == 1
 
 
 async def until_done(c: Client) -> list[dict[str, Any]]:

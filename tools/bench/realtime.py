@@ -24,6 +24,16 @@ Floor, also measured idle in the same run: what the machine allows at best. The 
 with one row per session decoding, times the tokens of each answer's first spoken piece (cut
 as the server cuts it), plus the speech model's first audio for a 5-word piece. It leaves out
 transcription, the joining turn's prompt pass and every other session's CPU: a lower bound.
+
+Past capacity (issue 39): ``--clients N`` opens N sessions at the same moment against a server
+whose session cap is ``--sessions`` (the server it starts derives that cap from ``--parallel``
+and ``--audio-queue-depth``; with ``--url`` the cap is read from ``/props``). The ones past the
+cap must be refused at open (``server_busy``, close 1013); every admitted session speaks as
+above, and each of its turns must be answered with audio, with no ``error`` event and no
+close 1011. The summary says which held; with ``--clients`` the exit status is 1 when any
+did not.
+
+    .venv/bin/python tools/bench/realtime.py --sessions 4 --clients 6 --duration 45
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import attrs
 import httpx
 import numpy as np
 import trio
+import trio_websocket
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -62,8 +73,15 @@ FRAME_S = 0.08
 OUTPUT_RATE = 22_050  # the VoiceChat protocol's default output rate
 
 
+# The server's own default (--audio-queue-depth): the bench raises it only past it.
+DEFAULT_AUDIO_QUEUE_DEPTH = 8
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    flags = ["--realtime-max-sessions", str(args.sessions), "--parallel", str(args.sessions)]
+    # No --realtime-max-sessions: the server derives its cap, min(--parallel,
+    # --audio-queue-depth), so --sessions rows and places make a cap of --sessions.
+    depth = max(args.sessions, DEFAULT_AUDIO_QUEUE_DEPTH)
+    flags = ["--parallel", str(args.sessions), "--audio-queue-depth", str(depth)]
     if args.model:
         flags += ["-m", args.model]
     flags += args.server_arg
@@ -194,9 +212,36 @@ class Floor:
     piece_tokens: list[int] = attrs.Factory(list)
 
 
+class Crowd:
+    """All clients open at the same moment; once each is admitted or refused, the admitted
+    ones start speaking, spread over the period in the order they were admitted."""
+
+    def __init__(self, clients: int) -> None:
+        self.clients = clients
+        self.answered = 0  # clients told admitted or refused so far
+        self.admitted: list[Session] = []
+        self.all_in = trio.Event()
+        self.start = 0.0
+
+    def arrived(self, session: Session | None) -> None:
+        if session is not None:
+            self.admitted.append(session)
+        self.answered += 1
+        if self.answered == self.clients:
+            self.start = trio.current_time() + 0.5
+            self.all_in.set()
+
+    def start_at(self, session: Session, period: float) -> float:
+        return self.start + self.admitted.index(session) * period / len(self.admitted)
+
+
 class Session:
     def __init__(self, index: int) -> None:
         self.index = index
+        # Refused at open: the error event's code and the close code; None when admitted.
+        self.refused: tuple[str, int | None] | None = None
+        # The server closed an admitted session before the client was done (1011: it failed).
+        self.server_close: int | None = None
         self.question = spoken(QUESTIONS[index % len(QUESTIONS)])
         self.spoken_end: list[float] = []  # when the last speech frame of each turn was sent
         self.stop_due: list[float] = []  # when the turn's trailing silence (VAD window) ended
@@ -206,6 +251,7 @@ class Session:
         self.first_audio: list[float | None] = []
         self.send_lag: list[float] = []
         self.errors: list[str] = []
+        self.error_messages: list[str] = []
         self._awaiting_audio = False
         # Stage times of answered turns: stop -> transcript -> first text -> first audio.
         self.stages: list[tuple[float, float, float]] = []
@@ -219,45 +265,69 @@ class Session:
         self.answers: list[str] = []
         self._text = ""
 
-    async def run(self, base: str, args: argparse.Namespace, start_at: float) -> None:
-        await trio.sleep_until(start_at)
-        async with connect(base) as c:
-            await c.recv()
-            await c.send(
-                {
-                    "type": "session.update",
-                    "session": {
-                        "system_prompt": "Answer briefly.",
-                        "max_response_output_tokens": args.max_tokens,
-                        "turn_detection": {
-                            "type": "server_vad",
-                            "silence_duration_ms": args.silence_ms,
-                        },
-                        "max_streaming_seconds": 600,
-                        **(
-                            {}
-                            if args.truncation_tokens is None
-                            else {
-                                "truncation": {
-                                    "type": "retention_ratio",
-                                    "retention_ratio": args.retention_ratio,
-                                    "token_limits": {"post_instructions": args.truncation_tokens},
-                                }
-                            }
-                        ),
+    async def run(self, base: str, args: argparse.Namespace, crowd: Crowd, open_at: float) -> None:
+        await trio.sleep_until(open_at)
+        counted = False
+        try:
+            async with connect(base) as c:
+                first = await c.recv(timeout=120)
+                if first["type"] == "error":
+                    code = first["error"].get("code", "?")
+                    crowd.arrived(None)
+                    counted = True
+                    self.refused = (code, await c.closed())
+                    return
+                crowd.arrived(self)
+                counted = True
+                await crowd.all_in.wait()
+                await trio.sleep_until(crowd.start_at(self, args.period))
+                await self._talk(c, args)
+        except* trio_websocket.ConnectionClosed as group:
+            # The server ended the session: the close code tells why (1011: it failed).
+            first_closed = group.exceptions[0]
+            assert isinstance(first_closed, trio_websocket.ConnectionClosed)
+            reason = first_closed.reason
+            self.server_close = reason.code if reason is not None else 1006  # no close frame
+        finally:
+            if not counted:  # closed before its first event: neither admitted nor refused
+                crowd.arrived(None)
+
+    async def _talk(self, c: Any, args: argparse.Namespace) -> None:
+        await c.send(
+            {
+                "type": "session.update",
+                "session": {
+                    "system_prompt": "Answer briefly.",
+                    "max_response_output_tokens": args.max_tokens,
+                    "turn_detection": {
+                        "type": "server_vad",
+                        "silence_duration_ms": args.silence_ms,
                     },
-                }
-            )
-            async with trio.open_nursery() as n:
-                n.start_soon(self._receive, c)
-                await self._send(c, args)
-                # Let the last answers arrive (keep the session alive with silence meanwhile).
-                quiet = frames(silence(FRAME_S))[0]
-                with trio.move_on_after(120):
-                    while self._awaiting_audio or len(self.stopped_at) < len(self.spoken_end):
-                        await c.send({"type": "input_audio_buffer.append", "audio": quiet})
-                        await trio.sleep(FRAME_S)
-                n.cancel_scope.cancel()
+                    "max_streaming_seconds": 600,
+                    **(
+                        {}
+                        if args.truncation_tokens is None
+                        else {
+                            "truncation": {
+                                "type": "retention_ratio",
+                                "retention_ratio": args.retention_ratio,
+                                "token_limits": {"post_instructions": args.truncation_tokens},
+                            }
+                        }
+                    ),
+                },
+            }
+        )
+        async with trio.open_nursery() as n:
+            n.start_soon(self._receive, c)
+            await self._send(c, args)
+            # Let the last answers arrive (keep the session alive with silence meanwhile).
+            quiet = frames(silence(FRAME_S))[0]
+            with trio.move_on_after(120):
+                while self._awaiting_audio or len(self.stopped_at) < len(self.spoken_end):
+                    await c.send({"type": "input_audio_buffer.append", "audio": quiet})
+                    await trio.sleep(FRAME_S)
+            n.cancel_scope.cancel()
 
     async def _send(self, c: Any, args: argparse.Namespace) -> None:
         period_frames = int(args.period / FRAME_S)
@@ -320,7 +390,9 @@ class Session:
                         (m["transcript"] - m["stop"], m["text"] - m["transcript"], now - m["text"])
                     )
             elif kind == "error":
-                self.errors.append(event["error"].get("code", "?"))
+                error = event["error"]
+                self.errors.append(error.get("code", "?"))
+                self.error_messages.append(f"{error.get('code', '?')}: {error.get('message')}")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -329,12 +401,14 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def run_sessions(base: str, args: argparse.Namespace) -> list[Session]:
-    sessions = [Session(i) for i in range(args.sessions)]
-    t0 = trio.current_time() + 1
+    sessions = [Session(i) for i in range(args.clients)]
+    crowd = Crowd(len(sessions))
+    open_at = trio.current_time() + 1
     async with trio.open_nursery() as n:
         for s in sessions:
-            # Spread the questions over the period, as independent users would.
-            n.start_soon(s.run, base, args, t0 + s.index * args.period / args.sessions)
+            # All open at once; the admitted ones then spread their questions over the
+            # period, as independent users would.
+            n.start_soon(s.run, base, args, crowd, open_at)
     return sessions
 
 
@@ -349,9 +423,85 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def session_cap(base: str) -> dict[str, Any] | None:
+    """The server's realtime session cap and capacity (``/props`` ``capabilities.realtime``)."""
+    caps = httpx.get(f"{base}/props", timeout=60).json().get("capabilities", {})
+    cap: dict[str, Any] | None = caps.get("realtime")
+    return cap
+
+
+def past_capacity(sessions: list[Session], cap: dict[str, Any] | None) -> bool:
+    """Print what happened to the clients against the cap; True when it is what issue 39
+    asks: the ones past the cap refused at open (server_busy, close 1013), every admitted
+    session's turns answered with audio, no error event, no session ended by the server."""
+    admitted = [s for s in sessions if s.refused is None and s.server_close is None]
+    ended = [s for s in sessions if s.refused is None and s.server_close is not None]
+    refused = [s for s in sessions if s.refused is not None]
+    limit = cap["max_sessions"] if cap is not None else None
+    if cap is None:
+        print("cap: unknown (no realtime entry in /props)")
+    else:
+        source = cap["capacity_from"]
+        print(
+            f"clients {len(sessions)} opened at once against a cap of {limit} (capacity "
+            f"{cap['capacity']}: min(--parallel {source['parallel']}, --audio-queue-depth "
+            f"{source['audio_queue_depth']}))"
+        )
+    busy = [s for s in refused if s.refused == ("server_busy", 1013)]
+    other = [s.refused for s in refused if s.refused != ("server_busy", 1013)]
+    print(
+        f"  refused at open: {len(refused)} (server_busy + close 1013: {len(busy)}"
+        + (f"; otherwise: {other}" if other else "")
+        + ")"
+    )
+    asked = sum(len(s.spoken_end) for s in admitted + ended)
+    heard = sum(1 for s in admitted + ended for a in s.first_audio if a is not None)
+    errors = [m for s in admitted + ended for m in s.error_messages]
+    closes = [s.server_close for s in ended]
+    print(
+        f"  admitted: {len(admitted) + len(ended)}; turns asked {asked}, answered with audio "
+        f"{heard}; error events: {len(errors)}; closes 1011: {closes.count(1011)}; other "
+        f"server closes: {[c for c in closes if c != 1011] or 'none'}"
+    )
+    waits = [
+        audio - stop
+        for s in admitted + ended
+        for stop, audio in zip(s.stopped_at, s.first_audio, strict=True)
+        if audio is not None
+    ]
+    print(
+        f"  admitted sessions' speech_stopped -> first audio: p50 {pct(waits, 0.5):.2f} s, "
+        f"p90 {pct(waits, 0.9):.2f} s over {len(waits)} turns"
+    )
+    for message in sorted(set(errors))[:5]:
+        print(f"    error event: {message}")
+    failed = []
+    if limit is not None and len(admitted) + len(ended) != min(limit, len(sessions)):
+        failed.append(f"{len(admitted) + len(ended)} admitted, not {min(limit, len(sessions))}")
+    if other:
+        failed.append("a refusal was not server_busy + 1013")
+    if heard < asked:
+        failed.append(f"{asked - heard} admitted turns without audio")
+    if errors:
+        failed.append(f"{len(errors)} error events")
+    if closes:
+        failed.append(f"{len(closes)} admitted sessions closed by the server")
+    print(
+        "past capacity: "
+        + (
+            "OK (refused at open, every admitted turn answered, no error, no 1011)"
+            if not failed
+            else "NOT OK: " + "; ".join(failed)
+        )
+    )
+    return not failed
+
+
 def report(
     sessions: list[Session], peer: list[float], floor: Floor, args: argparse.Namespace
 ) -> None:
+    # Refused clients asked nothing: the figures below are the admitted sessions'.
+    sessions = [s for s in sessions if s.refused is None]
     from_speech: list[float] = []
     from_stop: list[float] = []
     server_lag: list[tuple[float, float]] = []
@@ -378,7 +528,10 @@ def report(
     errors = sorted({e for s in sessions for e in s.errors})
     med = median(from_speech)
     peer_med = median(peer)
-    print(f"sessions {args.sessions}, {args.duration:g} s, a question every {args.period:g} s")
+    print(
+        f"sessions {len(sessions)} admitted of {args.clients} clients, {args.duration:g} s, "
+        f"a question every {args.period:g} s"
+    )
     if args.truncation_tokens is not None:
         print(
             f"truncation: retention_ratio {args.retention_ratio:g}, "
@@ -396,8 +549,11 @@ def report(
         f"speech_stopped -> first audio: median {pct(from_stop, 0.5):.2f} s, "
         f"p90 {pct(from_stop, 0.9):.2f} s"
     )
-    print(f"peer (HTTP cascade, one at a time, idle): median {peer_med:.2f} s over {len(peer)}")
-    print(f"ratio realtime/peer: {med / peer_med:.2f}x")
+    if peer:
+        print(f"peer (HTTP cascade, one at a time, idle): median {peer_med:.2f} s over {len(peer)}")
+        print(f"ratio realtime/peer: {med / peer_med:.2f}x")
+    else:
+        print("peer: not measured (--peer-runs 0)")
     first, last = (median(part) for part in thirds(server_lag))
     behind = send_lag > 1.0 or (last - first) > 1.0
     # Output side: answers fall behind when the wait for first audio grows over the run.
@@ -446,7 +602,20 @@ def report(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument(
+        "--sessions",
+        type=int,
+        default=8,
+        help="the session cap: the server started gets --parallel and --audio-queue-depth for "
+        "it (the floor is measured with this many rows)",
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help="clients that open at once (default: --sessions); past the cap they must be "
+        "refused at open, and the exit status is 1 when the past-capacity checks fail",
+    )
     p.add_argument("--duration", type=float, default=300.0, help="seconds of speaking per session")
     p.add_argument("--period", type=float, default=10.0, help="seconds between questions")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -469,7 +638,11 @@ def main() -> None:
         help="another flag for the server it starts, e.g. --server-arg=--no-spec-ngram",
     )
     args = p.parse_args()
+    crowding = args.clients is not None
+    if args.clients is None:
+        args.clients = args.sessions
     proc = None
+    ok = True
     base = args.url
     if base is None:
         proc, base = start_server(args)
@@ -481,14 +654,18 @@ def main() -> None:
             secs = peer_once(base, spoken(QUESTIONS[i % len(QUESTIONS)]), args.max_tokens)
             if i:  # the first run loads the models
                 peer.append(secs)
+        cap = session_cap(base)
         floor = Floor(trio.run(decode_step, base, args.sessions), first_piece_audio(base))
         sessions = trio.run(run_sessions, base, args)
         floor.piece_tokens = first_piece_tokens(base, [a for s in sessions for a in s.answers])
         report(sessions, peer, floor, args)
+        ok = past_capacity(sessions, cap)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
+    if crowding and not ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
