@@ -27,7 +27,16 @@ log = logging.getLogger("mlxcel")
 
 # --tool-format: ToolFormat's values between "auto" and "none" (kept literal: the CLI imports
 # no server code).
-TOOL_FORMATS = ["auto", "generic", "hermes", "llama3_json", "mistral", "pythonic", "none"]
+TOOL_FORMATS = [
+    "auto",
+    "generic",
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "pythonic",
+    "qwen3_coder",
+    "none",
+]
 _TRUE = {"1", "true", "yes", "on", "enabled"}
 _FALSE = {"0", "false", "no", "off", "disabled"}
 

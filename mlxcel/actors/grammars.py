@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 from llguidance import LLMatcher
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # only in the type stub
 
+from mlxcel.actors import section_grammars
 from mlxcel.actors.json_schemas import close_schema
 from mlxcel.actors.toolcalls.events import ToolFormat
 from mlxcel.runtime.errors import InvalidRequest
@@ -157,6 +158,10 @@ def tool_call_lark(
     """The Lark grammar for one call (or, with ``parallel``, one or more) in ``fmt``."""
     calls = _tool_index(tools, forced.names)
     many = forced.parallel
+
+    def marker(text: str) -> str:
+        return _marker(text, special)
+
     match fmt:
         case ToolFormat.HERMES:
             body = _json_rule(_calls_schema(calls, "arguments"))
@@ -179,6 +184,12 @@ def tool_call_lark(
             alts = " | ".join(_pythonic_call(n, p) for n, p in calls)
             rules = [f"call: {alts}"]
             start = '"[" call (", " call)* "]"' if many else '"[" call "]"'
+        case ToolFormat.QWEN3_CODER:
+            return section_grammars.qwen3_coder(calls, many, marker, JSON_OPTIONS)
+        case ToolFormat.GENERIC:
+            raise AssertionError("the generic format has its own grammar")
+        case _:
+            assert_never(fmt)
     return "\n".join([f"start: {start}", *rules]) + "\n"
 
 

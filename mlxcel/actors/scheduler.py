@@ -17,6 +17,7 @@ import trio
 from mlxcel.actors.scheduling import policy
 from mlxcel.runtime.messages import (
     CacheStats,
+    ChatPrompt,
     CloseStream,
     EndReasoning,
     OpenStream,
@@ -199,6 +200,11 @@ class Scheduler:
                     reasoning_open=item.reasoning_open,
                     n=item.request.n,
                     loop_limit=item.request.loop_limit,
+                    tools=(
+                        item.request.prompt.tools
+                        if isinstance(item.request.prompt, ChatPrompt)
+                        else None
+                    ),
                 )
             )
         return decision.plan

@@ -133,7 +133,7 @@ class Streamer:
             splitter = self._reasoning.splitter(starts_open=msg.reasoning_open)
         parser = None
         if msg.parse_tools and self._tool_format is not None:
-            parser = make_parser(self._tool_format)
+            parser = make_parser(self._tool_format, tools=msg.tools)
         return _Stream(
             msg.slot,
             choice,

@@ -1,5 +1,6 @@
 """Chat templates for tiny test models: a Qwen 2.5-style tool template (Hermes ``<tool_call>``
-wire format) and a Qwen3-style one whose generation prompt opens a ``<think>`` block."""
+wire format), a Qwen3-style one whose generation prompt opens a ``<think>`` block, and one per
+tool-call family (Qwen3-Coder)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,64 @@ QWEN_THINKING = (
     _TOOLS_SYSTEM
     + _TURNS
     + "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+# --- one per tool-call family, written from each model's published chat template: the parts
+# that show tools, write earlier calls and tool results, and open the answer. ---
+
+# Qwen3-Coder-30B-A3B-Instruct: tools as XML, calls as <function=...><parameter=...>, values
+# raw (objects and lists as JSON), tool results as <tool_response> user turns.
+QWEN3_CODER_TOOLS = (
+    "{%- if messages[0].role == 'system' %}{%- set system_message = messages[0].content %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}"
+    "{%- endif %}"
+    "{%- if not tools is defined %}{%- set tools = [] %}{%- endif %}"
+    "{%- if system_message is defined %}{{- '<|im_start|>system\\n' + system_message }}"
+    "{%- elif tools | length > 0 %}{{- '<|im_start|>system\\nYou are Qwen, a helpful AI "
+    "assistant that can interact with a computer to solve tasks.' }}{%- endif %}"
+    "{%- if tools | length > 0 %}"
+    "{{- '\\n\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{%- if tool.function is defined %}{%- set tool = tool.function %}"
+    "{%- endif %}"
+    "{{- '\\n<function>\\n<name>' ~ tool.name ~ '</name>' }}"
+    "{%- if tool.description is defined %}"
+    "{{- '\\n<description>' ~ (tool.description | trim) ~ '</description>' }}{%- endif %}"
+    "{{- '\\n<parameters>' }}"
+    "{%- for param_name, param_fields in (tool.parameters.properties or {}) | items %}"
+    "{{- '\\n<parameter>\\n<name>' ~ param_name ~ '</name>' }}"
+    "{%- if param_fields.type is defined %}"
+    "{{- '\\n<type>' ~ (param_fields.type | string) ~ '</type>' }}{%- endif %}"
+    "{{- '\\n</parameter>' }}{%- endfor %}"
+    "{{- '\\n</parameters>\\n</function>' }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nIf you choose to call a function ONLY reply in the following format "
+    "with NO suffix:\\n\\n<tool_call>\\n<function=example_function_name>\\n"
+    "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n<parameter=example_parameter_2>"
+    "\\nThis is the value for the second parameter\\nthat can span\\nmultiple lines\\n"
+    "</parameter>\\n</function>\\n</tool_call>' }}"
+    "{%- endif %}"
+    "{%- if system_message is defined or tools | length > 0 %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content is string and message.content | trim | length > 0 %}"
+    "{{- '\\n' + message.content | trim + '\\n' }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for args_name, args_value in tool_call.arguments | items %}"
+    "{{- '<parameter=' + args_name + '>\\n' }}"
+    "{%- set args_value = args_value | tojson | safe if args_value is mapping or "
+    "(args_value is sequence and args_value is not string) else args_value | string %}"
+    "{{- args_value }}{{- '\\n</parameter>\\n' }}{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.previtem and loop.previtem.role != 'tool' %}{{- '<|im_start|>user\\n' }}"
+    "{%- endif %}"
+    "{{- '<tool_response>\\n' + message.content + '\\n</tool_response>\\n' }}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + "
+    "'<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

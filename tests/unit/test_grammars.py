@@ -178,3 +178,89 @@ def test_generic_grammar_allows_calls_and_a_reply_only_as_asked(
     # Arguments follow the tool's schema: "days" is required and an integer.
     bad = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris", "days": "3"}}}'
     assert not _accepts(ll, smollm_tokenizer, g, bad)
+
+
+# Formats whose arguments are tagged raw values: what each family writes for two calls, the way
+# its chat template writes them back.
+TAGGED_CALLS = {
+    ToolFormat.QWEN3_CODER: (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        "\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("fmt", list(TAGGED_CALLS))
+def test_forced_call_grammar_accepts_the_tagged_family_syntax(
+    fmt: ToolFormat, ll: LLTokenizer, smollm_tokenizer: Any
+) -> None:
+    first, second, end = TAGGED_CALLS[fmt]
+    single, double = first + end, first + second + end
+    assert _accepts(ll, smollm_tokenizer, _grammar(BOTH, fmt), double)
+    assert _accepts(ll, smollm_tokenizer, _grammar(BOTH, fmt), single)
+    assert _accepts(ll, smollm_tokenizer, _grammar(ONE, fmt), single)
+    assert not _accepts(ll, smollm_tokenizer, _grammar(ONE, fmt), double)
+    # ... and what the grammar lets through is what the parser reads as calls, typed by the
+    # schema even where the arguments were raw text.
+    content, calls = parse_complete(fmt, double, tools=TOOLS)
+    assert content is None and [c.name for c in calls] == ["get_weather", "now"]
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 3}, {}]
+
+
+# Each family's call with one thing wrong: a required argument missing, a mistyped one, a name
+# not forced, an argument the schema does not list, an enum value it does not allow.
+TAGGED_BAD = {
+    ToolFormat.QWEN3_CODER: [
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\nthree\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=wind>\n3\n</parameter>\n</function>\n"
+        "</tool_call>",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=units>\nK\n</parameter>\n</function>\n"
+        "</tool_call>",
+    ],
+}
+
+
+@pytest.mark.parametrize(("fmt", "bad"), [(f, b) for f, bs in TAGGED_BAD.items() for b in bs])
+def test_tagged_arguments_follow_the_tool_schema(
+    fmt: ToolFormat, bad: str, ll: LLTokenizer, smollm_tokenizer: Any
+) -> None:
+    assert not _accepts(ll, smollm_tokenizer, _grammar(BOTH, fmt), bad)
+
+
+def test_raw_text_values_are_bounded_and_cannot_hold_their_closing_tag(
+    ll: LLTokenizer, smollm_tokenizer: Any
+) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "write",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"text": {"type": "string", "maxLength": 12}},
+                    "required": ["text"],
+                },
+            },
+        }
+    ]
+    forced = ForcedToolCall(names=("write",), parallel=False)
+    for fmt, head, tail in (
+        (ToolFormat.QWEN3_CODER, "<tool_call>\n<function=write>\n<parameter=text>\n",
+         "\n</parameter>\n</function>\n</tool_call>"),
+    ):  # fmt: skip
+        g = grammars.grammar_for(forced, tools=tools, tool_format=fmt, special={})
+        close = tail.split("\n")[1]
+        assert _accepts(ll, smollm_tokenizer, g, head + "a <b>\n{c}" + tail)
+        assert not _accepts(ll, smollm_tokenizer, g, head + "thirteen char" + tail)
+        assert not _accepts(ll, smollm_tokenizer, g, head + close + tail)
+        # What it accepts, the parser reads back as the same text.
+        _, calls = parse_complete(fmt, head + "a <b>\n{c}" + tail, tools=tools)
+        assert json.loads(calls[0].arguments) == {"text": "a <b>\n{c}"}

@@ -35,9 +35,11 @@ def counter() -> Iterator[str]:
     return (f"call_{i}" for i in itertools.count())
 
 
-def complete(fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+def complete(
+    fmt: ToolFormat, text: str, tools: list[dict[str, object]] | None = None
+) -> tuple[str | None, list[ToolCall]]:
     ids = counter()
-    return parse_complete(fmt, text, new_id=lambda: next(ids))
+    return parse_complete(fmt, text, new_id=lambda: next(ids), tools=tools)
 
 
 def merged(events: list[Event]) -> list[Event]:
@@ -51,9 +53,11 @@ def merged(events: list[Event]) -> list[Event]:
     return out
 
 
-def stream(fmt: ToolFormat, chunks: list[str]) -> list[Event]:
+def stream(
+    fmt: ToolFormat, chunks: list[str], tools: list[dict[str, object]] | None = None
+) -> list[Event]:
     ids = counter()
-    parser = make_parser(fmt, new_id=lambda: next(ids))
+    parser = make_parser(fmt, new_id=lambda: next(ids), tools=tools)
     events: list[Event] = []
     for c in chunks:
         events += parser.feed(c)
@@ -71,11 +75,13 @@ def chunkings(text: str) -> Iterator[list[str]]:
         yield [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
 
 
-def assert_chunking_invariant(fmt: ToolFormat, text: str) -> list[Event]:
-    whole = merged(stream(fmt, [text]))
-    assert collect(whole) == complete(fmt, text)
+def assert_chunking_invariant(
+    fmt: ToolFormat, text: str, tools: list[dict[str, object]] | None = None
+) -> list[Event]:
+    whole = merged(stream(fmt, [text], tools))
+    assert collect(whole) == complete(fmt, text, tools)
     for chunks in chunkings(text):
-        assert merged(stream(fmt, chunks)) == whole, chunks
+        assert merged(stream(fmt, chunks, tools)) == whole, chunks
     return whole
 
 
@@ -376,6 +382,7 @@ PIECES = [
     "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
     '{"name": "f", "arguments": ', '{"name": "g", "parameters": {"a": [1, "}"]}}', "{", "}",
     "[", "]", "(", ")", '"', "'", "\\", "f(x=1)", "; ", "\n", " ", "text", "<", "<tool", "[TOOL",
+    "<function=f>", "</function>", "<parameter=a>", "</parameter>", "f\n", "a", "{}",
 ]  # fmt: skip
 
 

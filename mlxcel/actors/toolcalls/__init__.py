@@ -3,7 +3,7 @@
 Use::
 
     fmt = detect(chat_template, tokenizer.get_vocab())
-    parser = make_parser(fmt)           # one per request (per choice)
+    parser = make_parser(fmt, tools=tools)  # one per request (per choice)
     for delta in text_deltas:
         events = parser.feed(delta)     # TextDelta / ToolCallStart / ToolCallArgs / ToolCallEnd
     events = parser.finish()            # decides whatever is still held back
@@ -11,7 +11,8 @@ Use::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from mlxcel.actors.toolcalls._stream import StreamParser
 from mlxcel.actors.toolcalls.detect import detect
@@ -35,6 +36,7 @@ from mlxcel.actors.toolcalls.formats import (
     PythonicParser,
 )
 from mlxcel.actors.toolcalls.generic import GenericParser
+from mlxcel.actors.toolcalls.xml_args import Qwen3CoderParser, Schemas, tool_schemas
 
 __all__ = [
     "Event",
@@ -53,23 +55,35 @@ __all__ = [
     "parse_complete",
 ]
 
-_PARSERS: dict[ToolFormat, Callable[[IdFactory], Parser]] = {
-    ToolFormat.HERMES: HermesParser,
-    ToolFormat.LLAMA3_JSON: Llama3JsonParser,
-    ToolFormat.MISTRAL: MistralParser,
-    ToolFormat.PYTHONIC: PythonicParser,
-    ToolFormat.GENERIC: GenericParser,
+_PARSERS: dict[ToolFormat, Callable[[IdFactory, Schemas], Parser]] = {
+    ToolFormat.HERMES: lambda new_id, _: HermesParser(new_id),
+    ToolFormat.LLAMA3_JSON: lambda new_id, _: Llama3JsonParser(new_id),
+    ToolFormat.MISTRAL: lambda new_id, _: MistralParser(new_id),
+    ToolFormat.PYTHONIC: lambda new_id, _: PythonicParser(new_id),
+    ToolFormat.GENERIC: lambda new_id, _: GenericParser(new_id),
+    # Arguments written as raw text: their JSON types come from the tools' schemas.
+    ToolFormat.QWEN3_CODER: Qwen3CoderParser,
 }
 
 
-def make_parser(fmt: ToolFormat, *, new_id: IdFactory | None = None) -> Parser:
-    """A fresh incremental parser; ``new_id`` makes call ids deterministic in tests."""
-    return _PARSERS[fmt](new_id or default_id_factory(fmt))
+def make_parser(
+    fmt: ToolFormat,
+    *,
+    new_id: IdFactory | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> Parser:
+    """A fresh incremental parser for a request offering ``tools``; ``new_id`` makes call ids
+    deterministic in tests."""
+    return _PARSERS[fmt](new_id or default_id_factory(fmt), tool_schemas(tools))
 
 
 def parse_complete(
-    fmt: ToolFormat, text: str, *, new_id: IdFactory | None = None
+    fmt: ToolFormat,
+    text: str,
+    *,
+    new_id: IdFactory | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[str | None, list[ToolCall]]:
     """The non-streaming result: exactly what feeding ``text`` in any chunking would give."""
-    parser = make_parser(fmt, new_id=new_id)
+    parser = make_parser(fmt, new_id=new_id, tools=tools)
     return collect(parser.feed(text) + parser.finish())

@@ -17,6 +17,10 @@ def detect(
 ) -> ToolFormat | None:
     """The family this model emits tool calls in, None when nothing points to one."""
     t = chat_template or ""
+    # Qwen3-Coder also wraps calls in <tool_call>, so its own syntax is looked for before
+    # Hermes' JSON.
+    if "<function=" in t and "<parameter=" in t:
+        return ToolFormat.QWEN3_CODER
     if "<tool_call>" in t:
         return ToolFormat.HERMES
     if "[TOOL_CALLS]" in t:

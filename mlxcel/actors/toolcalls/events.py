@@ -24,6 +24,9 @@ class ToolFormat(enum.StrEnum):
     LLAMA3_JSON = "llama3_json"  # <|python_tag|>{"name": ..., "parameters": ...} or bare JSON
     MISTRAL = "mistral"  # [TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}
     PYTHONIC = "pythonic"  # [f(a=1), g()] (Llama 4, Llama 3.2 pythonic templates)
+    # <tool_call>\n<function=NAME>\n<parameter=KEY>\nraw value\n</parameter>\n</function>
+    # \n</tool_call> (Qwen3-Coder, Qwen3.5): values are raw text, typed by the tool's schema.
+    QWEN3_CODER = "qwen3_coder"
     # llama-server's fallback for templates with none: tools described in the system prompt,
     # the answer one JSON object {"tool_call": ...} / {"tool_calls": [...]} / {"response": ...}.
     GENERIC = "generic"

@@ -240,6 +240,15 @@ def _py_name(node: ast.expr) -> str | None:
     return None
 
 
+def python_literal(src: str) -> object:
+    """One Python (or JSON-spelled) literal as JSON-able data, parsed with ``ast`` and never
+    evaluated; ValueError when ``src`` is anything else."""
+    try:
+        return _py_value(ast.parse(src.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, _NotLiteral):
+        raise ValueError("not a literal") from None
+
+
 def pythonic_calls(src: str) -> list[tuple[str, str]] | None:
     """Parse ``[f(a=1), g()]`` with ``ast`` (never evaluated); None if it is not such a list."""
     try:

@@ -1,0 +1,245 @@
+"""Each current tool-call family end to end: a tiny random-weight model carrying that family's
+chat template (tests/support/templates.py), served for real, called through the official
+openai SDK.
+
+Random weights never write a call on their own, so a forced call (``tool_choice: required``)
+that comes back as ``tool_calls`` with schema-valid arguments shows the whole path: the format
+detected from the template, the grammar in that format, and the parser reading it back. The
+tokens the model wrote (``logprobs``) show the family's own syntax was used, and the streamed
+deltas must assemble to exactly the non-streamed answer for the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.support.templates import QWEN3_CODER_TOOLS
+from tests.support.tiny_model import build_tiny_model
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ZONE = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "get_time": ZONE}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {"name": name, "description": f"The tool {name}.", "parameters": schema},
+    }
+    for name, schema in SCHEMAS.items()
+]
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+# family -> (chat template, what the model's raw output holds for a get_weather call, and how
+# the template writes an earlier call back into the next prompt)
+FAMILIES = {
+    "qwen3_coder": (
+        QWEN3_CODER_TOOLS,
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n",
+        "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n",
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, ServerProcess]]:
+    name = request.param
+    model = build_tiny_model(tmp_path_factory.mktemp(name) / name, chat_template=FAMILIES[name][0])
+    server = ServerProcess(["-m", str(model), "--parallel", "2"])
+    yield name, server
+    server.stop()
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        _strict_response_validation=True,
+    )
+
+
+def _forced(tool_choice: Any = "required", **kw: Any) -> dict[str, Any]:
+    return {
+        "model": "default",
+        "messages": ASK,
+        "max_tokens": 200,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        **kw,
+    }
+
+
+def test_a_forced_call_is_written_in_the_family_syntax_and_parsed(
+    family: tuple[str, ServerProcess],
+) -> None:
+    name, server = family
+    with _client(server) as client:
+        r = client.chat.completions.create(
+            **_forced({"type": "function", "function": {"name": "get_weather"}}),
+            seed=3,
+            logprobs=True,
+        )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls is not None and len(calls) == 1
+    assert calls[0].function.name == "get_weather"
+    args = json.loads(calls[0].function.arguments)
+    jsonschema.validate(args, WEATHER)
+    assert isinstance(args["days"], int)  # typed by the schema, even where written as text
+    assert choice.logprobs is not None and choice.logprobs.content
+    raw = b"".join(bytes(t.bytes or []) for t in choice.logprobs.content).decode()
+    assert raw.startswith(FAMILIES[name][1]), raw
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_streamed_deltas_assemble_to_exactly_the_non_streamed_calls(
+    family: tuple[str, ServerProcess], seed: int
+) -> None:
+    _, server = family
+    with _client(server) as client:
+        whole = client.chat.completions.create(**_forced(), seed=seed)
+        stream = client.chat.completions.create(**_forced(), seed=seed, stream=True)
+        calls: dict[int, dict[str, str]] = {}
+        content: list[str] = []
+        finish = None
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            content.append(delta.content or "")
+            for d in delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                if d.id:
+                    assert not call["id"], "id only in the first delta of an index"
+                    call["id"] = d.id
+                if d.function and d.function.name:
+                    call["name"] += d.function.name
+                if d.function and d.function.arguments:
+                    call["arguments"] += d.function.arguments
+            finish = chunk.choices[0].finish_reason or finish
+    choice = whole.choices[0]
+    assert choice.finish_reason == finish == "tool_calls"
+    assert choice.message.content is None and "".join(content) == ""
+    expected = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
+    assert expected
+    for fn, arguments in expected:
+        jsonschema.validate(json.loads(arguments), SCHEMAS[fn])
+
+
+def test_an_earlier_call_and_its_result_render_through_the_family_template(
+    family: tuple[str, ServerProcess],
+) -> None:
+    name, server = family
+    call_id = "call_abc"
+    messages: list[Any] = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "RESULT: sunny, 21 C"},
+    ]
+    # The prompt the model reads: the call in its own syntax, then the result.
+    prompt = httpx.post(
+        f"{server.base_url}/apply-template", json={"messages": messages, "tools": TOOLS}
+    ).json()["prompt"]
+    written = FAMILIES[name][2]
+    assert written in prompt, prompt
+    assert prompt.index(written) < prompt.index("RESULT: sunny, 21 C")
+    # ... and the next turn, forced again, is served.
+    with _client(server) as client:
+        r = client.chat.completions.create(
+            **{**_forced(), "messages": messages}, seed=5, parallel_tool_calls=False
+        )
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.tool_calls and len(r.choices[0].message.tool_calls) == 1
+
+
+def test_anthropic_and_responses_streams_assemble_to_the_same_calls(
+    family: tuple[str, ServerProcess],
+) -> None:
+    """Anthropic's ``input_json_delta`` and Responses' ``function_call_arguments.delta`` carry
+    the same calls as their non-streamed answers (greedy, so both runs write the same)."""
+    _, server = family
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    kw: dict[str, Any] = {
+        "model": "default",
+        "max_tokens": 200,
+        "extra_body": {"temperature": 0},  # this SDK no longer takes it as an argument
+        "messages": ASK,
+        "tools": [
+            {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+            for t in TOOLS
+        ],
+        # One call: greedy decoding on random weights may otherwise repeat calls to the end.
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+    }
+    with claude:
+        whole = claude.messages.create(**kw)
+        events = list(claude.messages.create(**kw, stream=True))
+    uses = [(b.name, b.input) for b in whole.content if b.type == "tool_use"]
+    assert uses and whole.stop_reason == "tool_use"
+    streamed: list[tuple[str, str]] = []
+    for e in events:
+        if e.type == "content_block_start" and e.content_block.type == "tool_use":
+            streamed.append((e.content_block.name, ""))
+        elif e.type == "content_block_delta" and e.delta.type == "input_json_delta":
+            streamed[-1] = (streamed[-1][0], streamed[-1][1] + e.delta.partial_json)
+    assert [(name, json.loads(args)) for name, args in streamed] == uses
+    for name, args in uses:
+        jsonschema.validate(args, SCHEMAS[name])
+
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    rkw: dict[str, Any] = {
+        "model": "default",
+        "input": ASK[0]["content"],
+        "max_output_tokens": 200,
+        "temperature": 0,
+        "tools": tools,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    }
+    with _client(server) as client:
+        response = client.responses.create(**rkw)
+        stream_events = list(client.responses.create(**rkw, stream=True))
+    calls = [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
+    assert calls
+    deltas: dict[str, str] = {}
+    for e in stream_events:
+        if e.type == "response.function_call_arguments.delta":
+            deltas[e.item_id] = deltas.get(e.item_id, "") + e.delta
+    assert list(deltas.values()) == [args for _, args in calls]
