@@ -35,6 +35,7 @@ TOOL_FORMATS = [
     "mistral",
     "pythonic",
     "qwen3_coder",
+    "glm45",
     "none",
 ]
 _TRUE = {"1", "true", "yes", "on", "enabled"}

@@ -186,6 +186,8 @@ def tool_call_lark(
             start = '"[" call (", " call)* "]"' if many else '"[" call "]"'
         case ToolFormat.QWEN3_CODER:
             return section_grammars.qwen3_coder(calls, many, marker, JSON_OPTIONS)
+        case ToolFormat.GLM45:
+            return section_grammars.glm45(calls, many, marker, special, JSON_OPTIONS)
         case ToolFormat.GENERIC:
             raise AssertionError("the generic format has its own grammar")
         case _:

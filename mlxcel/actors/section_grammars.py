@@ -1,8 +1,8 @@
-"""Forced-call Lark grammars for the format of ``toolcalls.xml_args`` (Qwen3-Coder);
-``grammars`` picks it.
+"""Forced-call Lark grammars for the formats of ``toolcalls.xml_args`` (Qwen3-Coder,
+GLM-4.5); ``grammars`` picks one.
 
 The JSON formats constrain a call's arguments with ``%json`` on the tool's schema. The XML
-format writes each argument as its own tagged value, so each parameter gets its own rule: a
+formats write each argument as its own tagged value, so each parameter gets its own rule: a
 value the parser reads as text (a string, or untyped) is raw text bounded by the schema's
 ``maxLength`` that cannot contain the closing tag (the parser ends a value at the first one),
 or one of an ``enum``'s strings; any other type is ``%json`` on that parameter's schema, which
@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mlxcel.actors.json_schemas import close_schema
-from mlxcel.actors.toolcalls.xml_args import qwen3_coder_text, qwen3_coder_value
+from mlxcel.actors.toolcalls.xml_args import glm45_value, qwen3_coder_text, qwen3_coder_value
 
 Marker = Callable[[str], str]  # a format marker as a grammar item (its special token or text)
 
@@ -146,6 +146,39 @@ def qwen3_coder(
         items.append(_lit("</function>"))
         alts.append(rules.add(" ".join(items)))
     one = f'{marker("<tool_call>")} "\\n" ({" | ".join(alts)}) "\\n" {marker("</tool_call>")}'
+    return _assemble(rules, one, '"\\n"', parallel)
+
+
+def glm45(
+    calls: list[tuple[str, Any]],
+    parallel: bool,
+    marker: Marker,
+    special: Mapping[str, int],
+    options: Mapping[str, Any],
+) -> str:
+    """``<tool_call>NAME\\n(<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n)*</tool_call>``,
+    as GLM-4.5's template writes a call (its tags are special tokens in GLM's vocabulary)."""
+    rules = _Rules()
+    special_close = "</arg_value>" in special
+    alts = []
+    for name, params in calls:
+        items = [_lit(f"{name}\n")]
+        for key, spec, required in _props(params):
+            value = _value(
+                rules,
+                spec,
+                as_text=_type_of(spec) == "string" or _enum_text(spec, glm45_value) is not None,
+                close="</arg_value>",
+                close_item=marker("</arg_value>"),
+                special_close=special_close,
+                reads=glm45_value,
+                options=options,
+            )
+            head = f'{marker("<arg_key>")} {_lit(key)} {marker("</arg_key>")} "\\n"'
+            arg = rules.add(f'{head} {marker("<arg_value>")} {value} "\\n"')
+            items.append(arg if required else f"{arg}?")
+        alts.append(rules.add(" ".join(items)))
+    one = f"{marker('<tool_call>')} ({' | '.join(alts)}) {marker('</tool_call>')}"
     return _assemble(rules, one, '"\\n"', parallel)
 
 

@@ -470,7 +470,7 @@ class OpenStream:
     # Choices to stream, each with its own detokeniser, stop matcher and parsers.
     n: int = 1
     loop_limit: LoopLimit | None = None
-    # The tools offered: formats that write arguments as raw text (Qwen3-Coder) take
+    # The tools offered: formats that write arguments as raw text (Qwen3-Coder, GLM-4.5) take
     # each value's JSON type from its tool's schema.
     tools: tuple[dict[str, object], ...] | None = None
 

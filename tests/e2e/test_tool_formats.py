@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess
-from tests.support.templates import QWEN3_CODER_TOOLS
+from tests.support.templates import GLM45_TOOLS, QWEN3_CODER_TOOLS
 from tests.support.tiny_model import build_tiny_model
 
 WEATHER = {
@@ -57,6 +57,11 @@ FAMILIES = {
         QWEN3_CODER_TOOLS,
         "<tool_call>\n<function=get_weather>\n<parameter=city>\n",
         "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n2\n",
+    ),
+    "glm45": (
+        GLM45_TOOLS,
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n",
     ),
 }
 

@@ -1,6 +1,6 @@
 """Chat templates for tiny test models: a Qwen 2.5-style tool template (Hermes ``<tool_call>``
 wire format), a Qwen3-style one whose generation prompt opens a ``<think>`` block, and one per
-tool-call family (Qwen3-Coder)."""
+tool-call family (Qwen3-Coder, GLM-4.5)."""
 
 from __future__ import annotations
 
@@ -92,4 +92,40 @@ QWEN3_CODER_TOOLS = (
     "'<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# GLM-4.5: tools as JSON lines, calls as <tool_call>NAME + <arg_key>/<arg_value> pairs (strings
+# raw, the rest JSON), results after <|observation|>, thinking turned off by enable_thinking.
+GLM45_TOOLS = (
+    "[gMASK]<sop>"
+    "{%- if tools -%}<|system|>\n# Tools\n\nYou may call one or more functions to assist with "
+    "the user query.\n\nYou are provided with function signatures within <tools></tools> XML "
+    "tags:\n<tools>\n{% for tool in tools %}{{ tool | tojson(ensure_ascii=False) }}\n"
+    "{% endfor %}</tools>\n\nFor each function call, output the function name and arguments "
+    "within the following XML format:\n<tool_call>{function-name}\n<arg_key>{arg-key-1}"
+    "</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n<arg_key>{arg-key-2}</arg_key>\n"
+    "<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'user' -%}<|user|>\n{{ m.content }}"
+    "{%- elif m.role == 'assistant' -%}<|assistant|>\n<think></think>\n"
+    "{{- (m.content or '') | trim }}"
+    "{%- for tc in m.tool_calls or [] -%}"
+    "{%- if tc.function %}{%- set tc = tc.function %}{%- endif -%}"
+    "{{ '\\n<tool_call>' + tc.name + '\\n' }}"
+    "{% for k, v in tc.arguments.items() %}"
+    "{{ '<arg_key>' + k + '</arg_key>\\n<arg_value>' }}"
+    "{{ v | tojson(ensure_ascii=False) if v is not string else v }}"
+    "{{ '</arg_value>\\n' }}"
+    "{% endfor %}</tool_call>"
+    "{%- endfor -%}"
+    "{%- elif m.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|observation|>"
+    "{%- endif %}{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- elif m.role == 'system' -%}<|system|>\n{{ m.content }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>"
+    "{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}"
+    "{%- endif -%}"
 )

@@ -189,6 +189,12 @@ TAGGED_CALLS = {
         "\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
         "",
     ),
+    ToolFormat.GLM45: (
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+        "\n<tool_call>now\n</tool_call>",
+        "",
+    ),
 }
 
 
@@ -225,6 +231,16 @@ TAGGED_BAD = {
         "<parameter=days>\n3\n</parameter>\n<parameter=units>\nK\n</parameter>\n</function>\n"
         "</tool_call>",
     ],
+    ToolFormat.GLM45: [
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "</tool_call>",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>three</arg_value>\n</tool_call>",
+        "<tool_call>get_time\n</tool_call>",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>units</arg_key>\n"
+        "<arg_value>K</arg_value>\n</tool_call>",
+    ],
 }
 
 
@@ -255,12 +271,55 @@ def test_raw_text_values_are_bounded_and_cannot_hold_their_closing_tag(
     for fmt, head, tail in (
         (ToolFormat.QWEN3_CODER, "<tool_call>\n<function=write>\n<parameter=text>\n",
          "\n</parameter>\n</function>\n</tool_call>"),
+        (ToolFormat.GLM45, "<tool_call>write\n<arg_key>text</arg_key>\n<arg_value>",
+         "</arg_value>\n</tool_call>"),
     ):  # fmt: skip
         g = grammars.grammar_for(forced, tools=tools, tool_format=fmt, special={})
-        close = tail.split("\n")[1]
+        close = tail.split("\n")[1] if fmt is ToolFormat.QWEN3_CODER else "</arg_value>"
         assert _accepts(ll, smollm_tokenizer, g, head + "a <b>\n{c}" + tail)
         assert not _accepts(ll, smollm_tokenizer, g, head + "thirteen char" + tail)
         assert not _accepts(ll, smollm_tokenizer, g, head + close + tail)
         # What it accepts, the parser reads back as the same text.
         _, calls = parse_complete(fmt, head + "a <b>\n{c}" + tail, tools=tools)
         assert json.loads(calls[0].arguments) == {"text": "a <b>\n{c}"}
+
+
+def test_tagged_format_markers_are_matched_as_special_tokens() -> None:
+    special = {"<tool_call>": 7, "</tool_call>": 8, "<arg_key>": 9, "</arg_key>": 10,
+               "<arg_value>": 11, "</arg_value>": 12}  # fmt: skip
+    lark = grammars.tool_call_lark(ONE, TOOLS, ToolFormat.GLM45, special)
+    assert "<[7]>" in lark and "<[12]>" in lark and '"</arg_value>"' not in lark
+    grammars.grammar_for(ONE, tools=TOOLS, tool_format=ToolFormat.GLM45, special=special)
+
+
+def test_a_special_closing_token_still_keeps_its_text_out_of_the_value(
+    ll: LLTokenizer, smollm_tokenizer: Any
+) -> None:
+    # GLM's </arg_value> is a special token; SmolLM2's <|im_start|> (id 1) stands in for it.
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "w",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"t": {"type": "string"}},
+                    "required": ["t"],
+                },
+            },
+        }
+    ]
+    forced = ForcedToolCall(names=("w",), parallel=False)
+    g = grammars.grammar_for(
+        forced, tools=tools, tool_format=ToolFormat.GLM45, special={"</arg_value>": 1}
+    )  # fmt: skip
+
+    def accepts(value: str) -> bool:
+        matcher = LLMatcher(ll, g, log_level=0)
+        enc = smollm_tokenizer.encode
+        head = enc("<tool_call>w\n<arg_key>t</arg_key>\n<arg_value>" + value)
+        ok = matcher.consume_tokens([*head, 1, *enc("\n</tool_call>")])
+        return bool(ok) and matcher.is_accepting()
+
+    assert accepts("a <b> c")
+    assert not accepts("a</arg_value>b")  # the parser would end the value there

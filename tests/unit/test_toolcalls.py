@@ -382,7 +382,8 @@ PIECES = [
     "<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
     '{"name": "f", "arguments": ', '{"name": "g", "parameters": {"a": [1, "}"]}}', "{", "}",
     "[", "]", "(", ")", '"', "'", "\\", "f(x=1)", "; ", "\n", " ", "text", "<", "<tool", "[TOOL",
-    "<function=f>", "</function>", "<parameter=a>", "</parameter>", "f\n", "a", "{}",
+    "<function=f>", "</function>", "<parameter=a>", "</parameter>", "f\n", "<arg_key>", "a",
+    "</arg_key>", "<arg_value>", "</arg_value>", "{}",
 ]  # fmt: skip
 
 

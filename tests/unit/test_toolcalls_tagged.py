@@ -1,8 +1,8 @@
-"""Qwen3-Coder tool calls, as the model writes them.
+"""Qwen3-Coder and GLM-4.5 tool calls, as those models write them.
 
 Same property as test_toolcalls: every chunking gives the non-streaming result, what is not a
-whole valid call is content. Qwen3-Coder writes arguments as raw text, so the JSON types
-come from the tools' schemas (as vLLM's qwen3_coder parser reads them).
+whole valid call is content. Qwen3-Coder and GLM write arguments as raw text, so the JSON types
+come from the tools' schemas (as vLLM's qwen3_coder and glm45 parsers read them).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mlxcel.actors.toolcalls import (
 )
 from tests.unit.test_toolcalls import assert_chunking_invariant, call, complete
 
-Q = ToolFormat.QWEN3_CODER
+Q, Z = ToolFormat.QWEN3_CODER, ToolFormat.GLM45
 
 TOOLS: list[dict[str, object]] = [
     {
@@ -116,6 +116,35 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         None,
         [call(0, "get_weather", {"city": "Paris"})],
     ),
+    # GLM-4.5: the name on the first line, string values raw, others JSON
+    (
+        Z,
+        "Let me look that up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+        "<arg_value>Beijing</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+        "<arg_key>zip</arg_key>\n<arg_value>01234</arg_value>\n</tool_call>",
+        "Let me look that up.",
+        [call(0, "get_weather", {"city": "Beijing", "days": 3, "zip": "01234"})],
+    ),
+    # objects as JSON or Python literals, an untyped enum value decoded, an unknown key too;
+    # GLM-4.7 writes no newlines between the tags
+    (
+        Z,
+        "<tool_call>get_weather<arg_key>opts</arg_key><arg_value>{'a': True}</arg_value>"
+        "<arg_key>mode</arg_key><arg_value>fast</arg_value><arg_key>hours</arg_key>"
+        "<arg_value>[1, 2]</arg_value><arg_key>hourly</arg_key><arg_value>false</arg_value>"
+        "</tool_call>\n<tool_call>write_file\n<arg_key>content</arg_key>\n"
+        f"<arg_value>{CODE}</arg_value>\n</tool_call>",
+        None,
+        [
+            call(
+                0,
+                "get_weather",
+                {"opts": {"a": True}, "mode": "fast", "hours": [1, 2], "hourly": False},
+            ),
+            call(1, "write_file", {"content": CODE.strip()}),
+        ],
+    ),  # fmt: skip
+    (Z, "<tool_call>now\n</tool_call>", None, [call(0, "now", {})]),
 ]
 
 
@@ -139,6 +168,11 @@ MALFORMED: list[tuple[ToolFormat, str]] = [
     (Q, "<tool_call>\n<function=f>\n<param=x>\n1\n</param>\n</function>\n</tool_call>"),
     (Q, "<tool_call>\n<function=f>\n</function>\n</tool> and more"),
     (Q, "<tool_call>\n</tool_call>"),
+    (Z, "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par"),
+    (Z, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'),
+    (Z, "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>"),
+    (Z, "<tool_call>get_weather\n<arg_value>Paris</arg_value>\n</tool_call>"),
+    (Z, "<tool_call>"),
 ]  # fmt: skip
 
 
@@ -162,12 +196,18 @@ QWEN3_CODER_TEMPLATE = (
     "{{- '\\n<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
     "{{- '<parameter=' + args_name + '>\\n' }}"
 )
+GLM45_TEMPLATE = (
+    "<tool_call>{function-name}\\n<arg_key>{arg-key-1}</arg_key>\\n"
+    "<arg_value>{arg-value-1}</arg_value>"
+)
 
 
 @pytest.mark.parametrize(
     ("template", "vocab", "expected"),
     [
         (QWEN3_CODER_TEMPLATE, {"<tool_call>": 151657}, Q),  # not Hermes, despite <tool_call>
+        (GLM45_TEMPLATE, {"<tool_call>": 151352}, Z),
+        (None, {"<tool_call>": 151352, "<arg_key>": 151356}, Z),
     ],
 )
 def test_detect(template: str | None, vocab: dict[str, int] | None, expected: Any) -> None:

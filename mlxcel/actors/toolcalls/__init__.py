@@ -36,7 +36,7 @@ from mlxcel.actors.toolcalls.formats import (
     PythonicParser,
 )
 from mlxcel.actors.toolcalls.generic import GenericParser
-from mlxcel.actors.toolcalls.xml_args import Qwen3CoderParser, Schemas, tool_schemas
+from mlxcel.actors.toolcalls.xml_args import Glm45Parser, Qwen3CoderParser, Schemas, tool_schemas
 
 __all__ = [
     "Event",
@@ -63,6 +63,7 @@ _PARSERS: dict[ToolFormat, Callable[[IdFactory, Schemas], Parser]] = {
     ToolFormat.GENERIC: lambda new_id, _: GenericParser(new_id),
     # Arguments written as raw text: their JSON types come from the tools' schemas.
     ToolFormat.QWEN3_CODER: Qwen3CoderParser,
+    ToolFormat.GLM45: Glm45Parser,
 }
 
 

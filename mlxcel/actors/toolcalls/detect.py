@@ -17,10 +17,12 @@ def detect(
 ) -> ToolFormat | None:
     """The family this model emits tool calls in, None when nothing points to one."""
     t = chat_template or ""
-    # Qwen3-Coder also wraps calls in <tool_call>, so its own syntax is looked for before
-    # Hermes' JSON.
+    # Qwen3-Coder and GLM-4.5 also wrap calls in <tool_call>, so their own syntax is looked
+    # for before Hermes' JSON.
     if "<function=" in t and "<parameter=" in t:
         return ToolFormat.QWEN3_CODER
+    if "<arg_key>" in t:
+        return ToolFormat.GLM45
     if "<tool_call>" in t:
         return ToolFormat.HERMES
     if "[TOOL_CALLS]" in t:
@@ -33,6 +35,7 @@ def detect(
     # the model was trained on.
     vocab = tokenizer_vocab or {}
     for token, fmt in (
+        ("<arg_key>", ToolFormat.GLM45),  # GLM's vocabulary has <tool_call> too
         ("<tool_call>", ToolFormat.HERMES),
         ("[TOOL_CALLS]", ToolFormat.MISTRAL),
         ("<|python_tag|>", ToolFormat.LLAMA3_JSON),

@@ -27,6 +27,9 @@ class ToolFormat(enum.StrEnum):
     # <tool_call>\n<function=NAME>\n<parameter=KEY>\nraw value\n</parameter>\n</function>
     # \n</tool_call> (Qwen3-Coder, Qwen3.5): values are raw text, typed by the tool's schema.
     QWEN3_CODER = "qwen3_coder"
+    # <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call> (GLM-4.5,
+    # 4.6, 4.7): string values raw, others JSON.
+    GLM45 = "glm45"
     # llama-server's fallback for templates with none: tools described in the system prompt,
     # the answer one JSON object {"tool_call": ...} / {"tool_calls": [...]} / {"response": ...}.
     GENERIC = "generic"

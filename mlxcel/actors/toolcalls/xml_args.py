@@ -1,12 +1,12 @@
 """Formats whose arguments are tagged raw values, not a JSON object: Qwen3-Coder's
-``<function=NAME><parameter=KEY>``.
+``<function=NAME><parameter=KEY>`` and GLM-4.5's ``<arg_key>/<arg_value>``.
 
 The model writes a string argument as bare text (a file's content is written as is, with no JSON
 escaping), so a value's JSON type comes from the tool's ``parameters`` schema, as vLLM's
-``qwen3_coder`` parser decides it: the parser is built with the request's tools.
+``qwen3_coder`` and ``glm45`` parsers decide it: the parser is built with the request's tools.
 
 Regions are scanned structurally, tag by tag, keeping the position between deltas, so a long
-value is searched once; a value ends at the first closing tag (the format escapes none
+value is searched once; a value ends at the first closing tag (neither format escapes one
 inside a value, so the first is the only reading the model's own template allows).
 """
 
@@ -114,6 +114,17 @@ def qwen3_coder_value(raw: str, kind: str | None) -> object:
     return raw if value is _NOT_FOUND else value
 
 
+def glm45_value(raw: str, kind: str | None) -> object:
+    """An ``<arg_value>`` as vLLM's glm45 parser reads it: a parameter the schema types as a
+    string is the stripped text; any other (or unknown) parameter is JSON, else a Python
+    literal, else the text."""
+    text = raw.strip()
+    if kind == "string":
+        return text
+    value = _structured(text)
+    return text if value is _NOT_FOUND else value
+
+
 def expect(buf: str, i: int, literal: str) -> int | None:
     """Index past ``literal`` at ``i``; None while ``buf[i:]`` is still a proper prefix of it
     (the delta that completes it has not arrived); -1 when it is not there."""
@@ -218,4 +229,77 @@ class Qwen3CoderParser(_Tagged):
                 continue
             if not final and (close is None or _tag_possible(rest, "<parameter=")):
                 return More()
+            return Bail(j)
+
+
+_GLM_NAME = re.compile(r"[^\s<>]{1,200}")
+
+
+class Glm45Parser(_Tagged):
+    """``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n...</tool_call>``
+    (GLM-4.5/4.6; GLM-4.7 drops the newlines, which is read the same)."""
+
+    markers = ("<tool_call>",)
+    CLOSE = "</tool_call>"
+
+    def _begin(self, marker: str) -> None:
+        self._pos = len(marker)
+        self._name: str | None = None
+        self._args: dict[str, object] = {}
+        self._key: str | None = None
+        self._in_value = False
+        self._vstart = self._search = 0
+
+    def _scan(self, buf: str, final: bool) -> Scan:
+        more: Scan = Bail(len(buf)) if final else More()
+        while True:
+            if self._name is None:
+                j = _skip(buf, self._pos)
+                m = _GLM_NAME.match(buf, j)
+                if m is None:
+                    # "<tool_call>{...}" (Hermes JSON) or prose: not this format.
+                    return more if j == len(buf) else Bail(len(self.markers[0]))
+                if m.end() == len(buf):
+                    return more  # the name may go on in the next delta
+                self._name, self._pos = m.group(), m.end()
+                continue
+            if self._key is not None and not self._in_value:
+                end = self._find_close(buf, "</arg_key>")
+                if end is None:
+                    return more
+                self._key = buf[self._vstart : end].strip()
+                j = _skip(buf, end + len("</arg_key>"))
+                opened = expect(buf, j, "<arg_value>")
+                if opened is None:
+                    return more
+                if opened < 0:
+                    return Bail(j)
+                self._in_value, self._vstart = True, opened
+                self._search = opened
+                continue
+            if self._key is not None:
+                end = self._find_close(buf, "</arg_value>")
+                if end is None:
+                    return more
+                kind = param_type(self._schemas, self._name, self._key)
+                self._args[self._key] = glm45_value(buf[self._vstart : end], kind)
+                self._key, self._in_value = None, False
+                self._pos = end + len("</arg_value>")
+                continue
+            j = _skip(buf, self._pos)
+            key = expect(buf, j, "<arg_key>")
+            if key is not None and key >= 0:
+                self._key, self._vstart = "", key
+                self._search = key
+                continue
+            close = expect(buf, j, self.CLOSE)
+            if close is not None and close >= 0:
+                args = dumps_args(self._args)
+                return Bail(close) if args is None else Done(close, [(self._name, args)])
+            if close is None or key is None:
+                if final and close is None and (buf[j:] or self._args):
+                    # Stopped before or inside the close tag: every argument is whole.
+                    args = dumps_args(self._args)
+                    return Bail(len(buf)) if args is None else Done(len(buf), [(self._name, args)])
+                return more
             return Bail(j)
