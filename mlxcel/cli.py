@@ -36,6 +36,7 @@ TOOL_FORMATS = [
     "pythonic",
     "qwen3_coder",
     "glm45",
+    "deepseek_v31",
     "none",
 ]
 _TRUE = {"1", "true", "yes", "on", "enabled"}

@@ -1,5 +1,5 @@
-"""Forced-call Lark grammars for the formats of ``toolcalls.xml_args`` (Qwen3-Coder,
-GLM-4.5); ``grammars`` picks one.
+"""Forced-call Lark grammars for the formats of ``toolcalls.xml_args`` and
+``toolcalls.sections`` (Qwen3-Coder, GLM-4.5, DeepSeek V3.1); ``grammars`` picks one.
 
 The JSON formats constrain a call's arguments with ``%json`` on the tool's schema. The XML
 formats write each argument as its own tagged value, so each parameter gets its own rule: a
@@ -180,6 +180,30 @@ def glm45(
         alts.append(rules.add(" ".join(items)))
     one = f"{marker('<tool_call>')} ({' | '.join(alts)}) {marker('</tool_call>')}"
     return _assemble(rules, one, '"\\n"', parallel)
+
+
+def deepseek_v31(
+    calls: list[tuple[str, Any]],
+    parallel: bool,
+    marker: Marker,
+    options: Mapping[str, Any],
+) -> str:
+    """``<｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>)+
+    <｜tool▁calls▁end｜>``."""
+    rules = _Rules()
+    alts = [
+        rules.add(f"{_lit(name)} {marker('<｜tool▁sep｜>')} {rules.add(json_rule(p, options))}")
+        for name, p in calls
+    ]
+    call = f"{marker('<｜tool▁call▁begin｜>')} ({' | '.join(alts)}) {marker('<｜tool▁call▁end｜>')}"
+    return _section(
+        rules, call, parallel, marker("<｜tool▁calls▁begin｜>"), marker("<｜tool▁calls▁end｜>")
+    )
+
+
+def _section(rules: _Rules, call: str, parallel: bool, begin: str, end: str) -> str:
+    body = "call+" if parallel else "call"
+    return "\n".join([f"start: {begin} {body} {end}", f"call: {call}", *rules.lines]) + "\n"
 
 
 def _assemble(rules: _Rules, one: str, between: str, parallel: bool) -> str:

@@ -174,15 +174,18 @@ class TokenizerActor:
                 # A final assistant turn to continue (an Anthropic prefill) replaces the new one.
                 add_generation = not extra.get("continue_final_message", False)
                 try:
-                    return str(
-                        self._tok.apply_chat_template(
-                            list(messages),
-                            tokenize=False,
-                            add_generation_prompt=add_generation,
-                            **extra,
-                        )
-                    )
+                    return self._apply(list(messages), add_generation, extra)
                 except Exception as error:  # jinja raises plain exceptions for template errors
+                    # Earlier calls' arguments go to templates as objects (most iterate over
+                    # them); DeepSeek V3.1's concatenates them as a string, so a template that
+                    # refuses the objects gets the JSON text, as llama.cpp's template
+                    # capability probe decides.
+                    as_text = _arguments_as_text(messages)
+                    if as_text is not None:
+                        try:
+                            return self._apply(as_text, add_generation, extra)
+                        except Exception:
+                            pass  # the original error says more about the messages
                     raise InvalidRequest(
                         f"The chat template could not render these messages: {error}"
                     ) from error
@@ -192,6 +195,15 @@ class TokenizerActor:
                 return str(self._tok.decode(list(tokens), skip_special_tokens=False))
             case _:
                 assert_never(prompt)
+
+    def _apply(
+        self, messages: list[dict[str, object]], add_generation: bool, extra: dict[str, object]
+    ) -> str:
+        return str(
+            self._tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation, **extra
+            )
+        )
 
     def prepare_media(self, request: GenerationRequest) -> Any:
         """The rendered prompt and its images (and audio) through the model's processor:
@@ -297,3 +309,24 @@ def _generic_grammar(request: GenerationRequest, tools: tuple[dict[str, object],
     return grammars.generic_tool_grammar(
         tools, every, parallel=_parallel(request), required=False, response_schema=response
     )
+
+
+def _arguments_as_text(messages: tuple[dict[str, object], ...]) -> list[dict[str, object]] | None:
+    """The messages with every tool call's arguments object as its JSON text; None when no
+    call has an object to convert."""
+    changed = False
+    out: list[dict[str, object]] = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            new_calls: list[object] = []
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), (dict, list)):
+                    text = json.dumps(fn["arguments"], ensure_ascii=False)
+                    call = {**call, "function": {**fn, "arguments": text}}
+                    changed = True
+                new_calls.append(call)
+            message = {**message, "tool_calls": new_calls}
+        out.append(message)
+    return out if changed else None

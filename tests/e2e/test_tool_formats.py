@@ -22,7 +22,11 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess
-from tests.support.templates import GLM45_TOOLS, QWEN3_CODER_TOOLS
+from tests.support.templates import (
+    DEEPSEEK_V31_TOOLS,
+    GLM45_TOOLS,
+    QWEN3_CODER_TOOLS,
+)
 from tests.support.tiny_model import build_tiny_model
 
 WEATHER = {
@@ -62,6 +66,11 @@ FAMILIES = {
         GLM45_TOOLS,
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>",
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n",
+    ),
+    "deepseek_v31": (
+        DEEPSEEK_V31_TOOLS,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
+        '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}',
     ),
 }
 
@@ -118,6 +127,7 @@ def test_a_forced_call_is_written_in_the_family_syntax_and_parsed(
     jsonschema.validate(args, WEATHER)
     assert isinstance(args["days"], int)  # typed by the schema, even where written as text
     assert choice.logprobs is not None and choice.logprobs.content
+    # Token bytes, not token strings: DeepSeek's markers split inside UTF-8 characters.
     raw = b"".join(bytes(t.bytes or []) for t in choice.logprobs.content).decode()
     assert raw.startswith(FAMILIES[name][1]), raw
 
@@ -178,7 +188,8 @@ def test_an_earlier_call_and_its_result_render_through_the_family_template(
         },
         {"role": "tool", "tool_call_id": call_id, "content": "RESULT: sunny, 21 C"},
     ]
-    # The prompt the model reads: the call in its own syntax, then the result.
+    # The prompt the model reads: the call in its own syntax (DeepSeek's template takes the
+    # arguments as text, the others as an object), then the result.
     prompt = httpx.post(
         f"{server.base_url}/apply-template", json={"messages": messages, "tools": TOOLS}
     ).json()["prompt"]

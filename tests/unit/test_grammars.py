@@ -180,8 +180,8 @@ def test_generic_grammar_allows_calls_and_a_reply_only_as_asked(
     assert not _accepts(ll, smollm_tokenizer, g, bad)
 
 
-# Formats whose arguments are tagged raw values: what each family writes for two calls, the way
-# its chat template writes them back.
+# Formats whose calls sit in sections of special tokens, or whose arguments are tagged raw
+# values: what each family writes for two calls, the way its chat template writes them back.
 TAGGED_CALLS = {
     ToolFormat.QWEN3_CODER: (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
@@ -194,6 +194,12 @@ TAGGED_CALLS = {
         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
         "\n<tool_call>now\n</tool_call>",
         "",
+    ),
+    ToolFormat.DEEPSEEK_V31: (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", '
+        '"days": 3}<｜tool▁call▁end｜>',
+        "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
     ),
 }
 
@@ -240,6 +246,14 @@ TAGGED_BAD = {
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>units</arg_key>\n"
         "<arg_value>K</arg_value>\n</tool_call>",
+    ],
+    ToolFormat.DEEPSEEK_V31: [
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", '
+        '"days": "3"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
     ],
 }
 

@@ -383,7 +383,8 @@ PIECES = [
     '{"name": "f", "arguments": ', '{"name": "g", "parameters": {"a": [1, "}"]}}', "{", "}",
     "[", "]", "(", ")", '"', "'", "\\", "f(x=1)", "; ", "\n", " ", "text", "<", "<tool", "[TOOL",
     "<function=f>", "</function>", "<parameter=a>", "</parameter>", "f\n", "<arg_key>", "a",
-    "</arg_key>", "<arg_value>", "</arg_value>", "{}",
+    "</arg_key>", "<arg_value>", "</arg_value>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "{}",
 ]  # fmt: skip
 
 

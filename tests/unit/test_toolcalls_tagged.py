@@ -1,4 +1,4 @@
-"""Qwen3-Coder and GLM-4.5 tool calls, as those models write them.
+"""Qwen3-Coder, GLM-4.5 and DeepSeek V3.1 tool calls, as those models write them.
 
 Same property as test_toolcalls: every chunking gives the non-streaming result, what is not a
 whole valid call is content. Qwen3-Coder and GLM write arguments as raw text, so the JSON types
@@ -23,7 +23,7 @@ from mlxcel.actors.toolcalls import (
 )
 from tests.unit.test_toolcalls import assert_chunking_invariant, call, complete
 
-Q, Z = ToolFormat.QWEN3_CODER, ToolFormat.GLM45
+Q, Z, D = ToolFormat.QWEN3_CODER, ToolFormat.GLM45, ToolFormat.DEEPSEEK_V31
 
 TOOLS: list[dict[str, object]] = [
     {
@@ -145,6 +145,25 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         ],
     ),  # fmt: skip
     (Z, "<tool_call>now\n</tool_call>", None, [call(0, "now", {})]),
+    # DeepSeek V3.1: parallel calls in one section, prose before
+    (
+        D,
+        "Checking both.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris", "days": 2}<｜tool▁call▁end｜><｜tool▁call▁begin｜>write_file'
+        '<｜tool▁sep｜>{"path": "x}.txt", "content": "<｜tool▁call▁end｜>"}<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜>",
+        "Checking both.",
+        [
+            call(0, "get_weather", {"city": "Paris", "days": 2}),
+            call(1, "write_file", {"path": "x}.txt", "content": "<｜tool▁call▁end｜>"}),
+        ],
+    ),
+    (
+        D,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+        None,
+        [call(0, "now", {})],
+    ),
 ]
 
 
@@ -173,6 +192,12 @@ MALFORMED: list[tuple[ToolFormat, str]] = [
     (Z, "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>"),
     (Z, "<tool_call>get_weather\n<arg_value>Paris</arg_value>\n</tool_call>"),
     (Z, "<tool_call>"),
+    (D, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"a": '),
+    (D, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>"),
+    (D, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{} trailing"
+        "<｜tool▁calls▁end｜>"),
+    (D, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>two words<｜tool▁sep｜>{}<｜tool▁call▁end｜>"),
+    (D, "<｜tool▁calls▁begin｜>plain text"),
 ]  # fmt: skip
 
 
@@ -200,6 +225,14 @@ GLM45_TEMPLATE = (
     "<tool_call>{function-name}\\n<arg_key>{arg-key-1}</arg_key>\\n"
     "<arg_value>{arg-value-1}</arg_value>"
 )
+DEEPSEEK_V31_TEMPLATE = (
+    "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>'+ tool['function']['name'] + "
+    "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}"
+)
+DEEPSEEK_V3_TEMPLATE = (
+    "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+    "tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments']}}"
+)
 
 
 @pytest.mark.parametrize(
@@ -207,6 +240,8 @@ GLM45_TEMPLATE = (
     [
         (QWEN3_CODER_TEMPLATE, {"<tool_call>": 151657}, Q),  # not Hermes, despite <tool_call>
         (GLM45_TEMPLATE, {"<tool_call>": 151352}, Z),
+        (DEEPSEEK_V31_TEMPLATE, {"<｜tool▁calls▁begin｜>": 128806}, D),
+        (DEEPSEEK_V3_TEMPLATE, None, None),  # the ```json fenced syntax is not this parser's
         (None, {"<tool_call>": 151352, "<arg_key>": 151356}, Z),
     ],
 )

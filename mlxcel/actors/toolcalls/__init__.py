@@ -36,6 +36,7 @@ from mlxcel.actors.toolcalls.formats import (
     PythonicParser,
 )
 from mlxcel.actors.toolcalls.generic import GenericParser
+from mlxcel.actors.toolcalls.sections import DeepSeekV31Parser
 from mlxcel.actors.toolcalls.xml_args import Glm45Parser, Qwen3CoderParser, Schemas, tool_schemas
 
 __all__ = [
@@ -64,6 +65,7 @@ _PARSERS: dict[ToolFormat, Callable[[IdFactory, Schemas], Parser]] = {
     # Arguments written as raw text: their JSON types come from the tools' schemas.
     ToolFormat.QWEN3_CODER: Qwen3CoderParser,
     ToolFormat.GLM45: Glm45Parser,
+    ToolFormat.DEEPSEEK_V31: lambda new_id, _: DeepSeekV31Parser(new_id),
 }
 
 

@@ -23,6 +23,10 @@ def detect(
         return ToolFormat.QWEN3_CODER
     if "<arg_key>" in t:
         return ToolFormat.GLM45
+    if "<｜tool▁sep｜>" in t and "```json" not in t:
+        # V3.1's NAME<｜tool▁sep｜>{json}; V3-0324 and R1 put the type before the separator and
+        # the arguments in a ```json fence, a syntax not parsed here (the generic format then).
+        return ToolFormat.DEEPSEEK_V31
     if "<tool_call>" in t:
         return ToolFormat.HERMES
     if "[TOOL_CALLS]" in t:

@@ -30,6 +30,9 @@ class ToolFormat(enum.StrEnum):
     # <tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n</tool_call> (GLM-4.5,
     # 4.6, 4.7): string values raw, others JSON.
     GLM45 = "glm45"
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...
+    # <｜tool▁calls▁end｜> (DeepSeek V3.1, V3.2 chat templates).
+    DEEPSEEK_V31 = "deepseek_v31"
     # llama-server's fallback for templates with none: tools described in the system prompt,
     # the answer one JSON object {"tool_call": ...} / {"tool_calls": [...]} / {"response": ...}.
     GENERIC = "generic"

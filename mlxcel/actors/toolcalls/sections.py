@@ -1,0 +1,123 @@
+"""Formats that wrap calls in a section of special tokens, each call a name (or id) and a JSON
+arguments object between its own tokens: DeepSeek V3.1.
+
+The streamer sees special tokens spelled out (it detokenises with them kept), so the markers
+here are their text.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mlxcel.actors.toolcalls._stream import (
+    Bail,
+    Balancer,
+    Done,
+    More,
+    Scan,
+    StreamParser,
+    dumps_args,
+    loads,
+)
+from mlxcel.actors.toolcalls.xml_args import _skip, expect
+
+
+class _Section(StreamParser):
+    """``SECTION_BEGIN (CALL_BEGIN name HEAD_END {json} CALL_END)+ SECTION_END``."""
+
+    CALL_BEGIN = ""
+    HEAD_END = ""
+    CALL_END = ""
+    SECTION_ENDS: tuple[str, ...] = ()
+
+    def _begin(self, marker: str) -> None:
+        self._pos = len(marker)
+        self._calls: list[tuple[str, str]] = []
+        self._head: str | None = None  # the name of the call being read
+        self._bal: Balancer | None = None
+        self._vstart = 0
+        self._args: str | None = None  # the current call's arguments, once read
+
+    def _read_head(self, head: str) -> str | None:
+        """The call's name from the text before HEAD_END; None: not a call."""
+        raise NotImplementedError
+
+    def _scan(self, buf: str, final: bool) -> Scan:
+        more: Scan = Bail(len(buf)) if final else More()
+        while True:
+            if self._bal is not None:
+                end = self._bal.advance(buf)
+                if end is None:
+                    return more
+                if end < 0:
+                    return Bail(self._bal.pos)
+                try:
+                    self._args = dumps_args(loads(buf[self._vstart : end]))
+                except (ValueError, RecursionError):
+                    self._args = None
+                if self._args is None:
+                    return Bail(end)
+                self._bal, self._pos = None, end
+            if self._args is not None:  # the arguments are read; the call's end comes next
+                j = _skip(buf, self._pos)
+                close = expect(buf, j, self.CALL_END)
+                if close is None:
+                    return more
+                if close < 0:
+                    return Bail(j)
+                assert self._head is not None
+                self._calls.append((self._head, self._args))
+                self._args, self._head, self._pos = None, None, close
+                continue
+            j = _skip(buf, self._pos)
+            if self._head is None:
+                opened = expect(buf, j, self.CALL_BEGIN)
+                if opened is not None and opened >= 0:
+                    sep = buf.find(self.HEAD_END, opened)
+                    if sep < 0:
+                        # A name is short: a long run without the separator is not a call.
+                        if final or len(buf) - opened > 300:
+                            return Bail(j if self._calls else len(buf))
+                        return More()
+                    head = self._read_head(buf[opened:sep])
+                    if head is None:
+                        return Bail(sep)
+                    self._head, self._pos = head, sep + len(self.HEAD_END)
+                    continue
+                if self._calls:
+                    closes = [expect(buf, j, end) for end in self.SECTION_ENDS]
+                    close = max((c for c in closes if c is not None), default=None)
+                    if close is not None and close >= 0:
+                        return self._done(close)
+                    if None in closes:
+                        # Stopped inside (or before) the section's end: the calls are whole.
+                        return self._done(len(buf)) if final else More()
+                if opened is None and not final:
+                    return More()
+                return Bail(j if self._calls else self._pos)
+            if j == len(buf):
+                return more
+            if buf[j] != "{":
+                return Bail(j)
+            self._vstart, self._bal = j, Balancer(j)
+
+    def _done(self, end: int) -> Scan:
+        return Done(end, self._calls)
+
+
+_NAME = re.compile(r"\s*([^\s<>{}]{1,200})\s*")
+
+
+class DeepSeekV31Parser(_Section):
+    """``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
+    ...<｜tool▁calls▁end｜>`` (DeepSeek V3.1/V3.2 templates)."""
+
+    markers = ("<｜tool▁calls▁begin｜>",)
+    CALL_BEGIN = "<｜tool▁call▁begin｜>"
+    HEAD_END = "<｜tool▁sep｜>"
+    CALL_END = "<｜tool▁call▁end｜>"
+    SECTION_ENDS = ("<｜tool▁calls▁end｜>",)
+
+    def _read_head(self, head: str) -> str | None:
+        m = _NAME.fullmatch(head)
+        return None if m is None else m.group(1)
