@@ -37,6 +37,7 @@ TOOL_FORMATS = [
     "qwen3_coder",
     "glm45",
     "deepseek_v31",
+    "kimi_k2",
     "none",
 ]
 _TRUE = {"1", "true", "yes", "on", "enabled"}

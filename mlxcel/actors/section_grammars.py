@@ -1,5 +1,5 @@
 """Forced-call Lark grammars for the formats of ``toolcalls.xml_args`` and
-``toolcalls.sections`` (Qwen3-Coder, GLM-4.5, DeepSeek V3.1); ``grammars`` picks one.
+``toolcalls.sections`` (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2); ``grammars`` picks one.
 
 The JSON formats constrain a call's arguments with ``%json`` on the tool's schema. The XML
 formats write each argument as its own tagged value, so each parameter gets its own rule: a
@@ -198,6 +198,31 @@ def deepseek_v31(
     call = f"{marker('<｜tool▁call▁begin｜>')} ({' | '.join(alts)}) {marker('<｜tool▁call▁end｜>')}"
     return _section(
         rules, call, parallel, marker("<｜tool▁calls▁begin｜>"), marker("<｜tool▁calls▁end｜>")
+    )
+
+
+def kimi_k2(
+    calls: list[tuple[str, Any]],
+    parallel: bool,
+    marker: Marker,
+    options: Mapping[str, Any],
+) -> str:
+    """``<|tool_calls_section_begin|>(<|tool_call_begin|>functions.NAME:IDX
+    <|tool_call_argument_begin|>{json}<|tool_call_end|>)+<|tool_calls_section_end|>``."""
+    rules = _Rules()
+    sep = marker("<|tool_call_argument_begin|>")
+    alts = [
+        rules.add(f"{_lit(f'functions.{name}:')} /[0-9]{{1,4}}/ {sep} "
+                  f"{rules.add(json_rule(p, options))}")
+        for name, p in calls
+    ]  # fmt: skip
+    call = f"{marker('<|tool_call_begin|>')} ({' | '.join(alts)}) {marker('<|tool_call_end|>')}"
+    return _section(
+        rules,
+        call,
+        parallel,
+        marker("<|tool_calls_section_begin|>"),
+        marker("<|tool_calls_section_end|>"),
     )
 
 

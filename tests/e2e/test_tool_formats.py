@@ -25,6 +25,7 @@ from tests.conftest import ServerProcess
 from tests.support.templates import (
     DEEPSEEK_V31_TOOLS,
     GLM45_TOOLS,
+    KIMI_K2_TOOLS,
     QWEN3_CODER_TOOLS,
 )
 from tests.support.tiny_model import build_tiny_model
@@ -71,6 +72,11 @@ FAMILIES = {
         DEEPSEEK_V31_TOOLS,
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
         '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}',
+    ),
+    "kimi_k2": (
+        KIMI_K2_TOOLS,
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:",
+        '<|tool_call_begin|>CALL_ID<|tool_call_argument_begin|>{"city": "Oslo", "days": 2}',
     ),
 }
 
@@ -130,6 +136,8 @@ def test_a_forced_call_is_written_in_the_family_syntax_and_parsed(
     # Token bytes, not token strings: DeepSeek's markers split inside UTF-8 characters.
     raw = b"".join(bytes(t.bytes or []) for t in choice.logprobs.content).decode()
     assert raw.startswith(FAMILIES[name][1]), raw
+    if name == "kimi_k2":  # the model's own id, which its template writes back next turn
+        assert calls[0].id.startswith("functions.get_weather:")
 
 
 @pytest.mark.parametrize("seed", [11, 12])
@@ -166,13 +174,18 @@ def test_streamed_deltas_assemble_to_exactly_the_non_streamed_calls(
     assert expected
     for fn, arguments in expected:
         jsonschema.validate(json.loads(arguments), SCHEMAS[fn])
+    if choice.message.tool_calls and choice.message.tool_calls[0].id.startswith("functions."):
+        # Kimi's ids come from the output itself, so they match too.
+        assert [c["id"] for _, c in sorted(calls.items())] == [
+            c.id for c in choice.message.tool_calls
+        ]
 
 
 def test_an_earlier_call_and_its_result_render_through_the_family_template(
     family: tuple[str, ServerProcess],
 ) -> None:
     name, server = family
-    call_id = "call_abc"
+    call_id = "functions.get_weather:0" if name == "kimi_k2" else "call_abc"
     messages: list[Any] = [
         *ASK,
         {
@@ -193,7 +206,7 @@ def test_an_earlier_call_and_its_result_render_through_the_family_template(
     prompt = httpx.post(
         f"{server.base_url}/apply-template", json={"messages": messages, "tools": TOOLS}
     ).json()["prompt"]
-    written = FAMILIES[name][2]
+    written = FAMILIES[name][2].replace("CALL_ID", call_id)
     assert written in prompt, prompt
     assert prompt.index(written) < prompt.index("RESULT: sunny, 21 C")
     # ... and the next turn, forced again, is served.

@@ -1,6 +1,6 @@
 """Chat templates for tiny test models: a Qwen 2.5-style tool template (Hermes ``<tool_call>``
 wire format), a Qwen3-style one whose generation prompt opens a ``<think>`` block, and one per
-tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1)."""
+tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2)."""
 
 from __future__ import annotations
 
@@ -189,4 +189,35 @@ DEEPSEEK_V31_TOOLS = (
     "{%- if add_generation_prompt and ns.is_last_user and not ns.is_tool %}"
     "{{'<｜Assistant｜>'}}{%- if not thinking %}{{'</think>'}}{%- else %}{{'<think>'}}"
     "{%- endif %}{% endif %}"
+)
+
+# Kimi K2 Instruct: tools declared as JSON, calls written back by their ids
+# (functions.NAME:IDX), results as "## Return of ID".
+KIMI_K2_TOOLS = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
+    "<|im_end|>{%- endif -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- else -%}<|im_system|>{{ message['role'] }}<|im_middle|>{%- endif -%}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}"
+    "{%- if message['content'] -%}{{ message['content'] }}{%- endif -%}"
+    "<|tool_calls_section_begin|>"
+    "{%- for tool_call in message['tool_calls'] -%}"
+    "<|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>"
+    "{%- if tool_call['function']['arguments'] is string -%}"
+    "{{ tool_call['function']['arguments'] }}"
+    "{%- else -%}{{ tool_call['function']['arguments'] | tojson }}{%- endif -%}"
+    "<|tool_call_end|>"
+    "{%- endfor -%}<|tool_calls_section_end|>"
+    "{%- elif message['role'] == 'tool' -%}## Return of {{ message.tool_call_id }}\n"
+    "{{ message['content'] }}"
+    "{%- elif message['content'] is string -%}{{ message['content'] }}"
+    "{%- endif -%}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )

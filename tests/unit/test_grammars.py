@@ -201,6 +201,12 @@ TAGGED_CALLS = {
         "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
         "<｜tool▁calls▁end｜>",
     ),
+    ToolFormat.KIMI_K2: (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>',
+        "<|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    ),
 }
 
 
@@ -254,6 +260,16 @@ TAGGED_BAD = {
         '"days": "3"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
         "<｜tool▁calls▁end｜>",
+    ],
+    ToolFormat.KIMI_K2: [
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_calls_section_end|>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>get_weather:0"  # no functions. prefix
+        '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
+        "<|tool_calls_section_end|>",
     ],
 }
 

@@ -384,7 +384,9 @@ PIECES = [
     "[", "]", "(", ")", '"', "'", "\\", "f(x=1)", "; ", "\n", " ", "text", "<", "<tool", "[TOOL",
     "<function=f>", "</function>", "<parameter=a>", "</parameter>", "f\n", "<arg_key>", "a",
     "</arg_key>", "<arg_value>", "</arg_value>", "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
-    "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "{}",
+    "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>", "functions.f:0", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+    "<|tool_calls_section_end|>", "{}",
 ]  # fmt: skip
 
 

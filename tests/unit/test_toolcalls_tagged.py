@@ -1,4 +1,4 @@
-"""Qwen3-Coder, GLM-4.5 and DeepSeek V3.1 tool calls, as those models write them.
+"""Qwen3-Coder, GLM-4.5, DeepSeek V3.1 and Kimi K2 tool calls, as those models write them.
 
 Same property as test_toolcalls: every chunking gives the non-streaming result, what is not a
 whole valid call is content. Qwen3-Coder and GLM write arguments as raw text, so the JSON types
@@ -7,6 +7,7 @@ come from the tools' schemas (as vLLM's qwen3_coder and glm45 parsers read them)
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from mlxcel.actors.toolcalls import (
 )
 from tests.unit.test_toolcalls import assert_chunking_invariant, call, complete
 
-Q, Z, D = ToolFormat.QWEN3_CODER, ToolFormat.GLM45, ToolFormat.DEEPSEEK_V31
+Q, Z, D, K = ToolFormat.QWEN3_CODER, ToolFormat.GLM45, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
 
 TOOLS: list[dict[str, object]] = [
     {
@@ -58,6 +59,10 @@ TOOLS: list[dict[str, object]] = [
     },
 ]
 CODE = "def f():\n    return {'a': '</tool_call>'}  # <parameter=x>\n"
+
+
+def kcall(i: int, name: str, args: dict[str, object], call_id: str) -> ToolCall:
+    return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False))
 
 
 VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
@@ -164,6 +169,27 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         None,
         [call(0, "now", {})],
     ),
+    # Kimi K2: the model's own ids are the call ids
+    (
+        K,
+        "I'll check.<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>\n'
+        '<|tool_call_begin|>functions.math.sqrt:1<|tool_call_argument_begin|>{"x": 2}'
+        "<|tool_call_end|>\n<|tool_calls_section_end|>",
+        "I'll check.",
+        [
+            kcall(0, "get_weather", {"city": "Paris"}, "functions.get_weather:0"),
+            kcall(1, "math.sqrt", {"x": 2}, "functions.math.sqrt:1"),
+        ],
+    ),
+    # the singular section spelling Kimi K2 sometimes writes
+    (
+        K,
+        "<|tool_call_section_begin|><|tool_call_begin|>functions.now:3"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_section_end|>",
+        None,
+        [kcall(0, "now", {}, "functions.now:3")],
+    ),
 ]
 
 
@@ -198,6 +224,11 @@ MALFORMED: list[tuple[ToolFormat, str]] = [
         "<｜tool▁calls▁end｜>"),
     (D, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>two words<｜tool▁sep｜>{}<｜tool▁call▁end｜>"),
     (D, "<｜tool▁calls▁begin｜>plain text"),
+    (K, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f<|tool_call_argument_begin|>"
+        "{}<|tool_call_end|><|tool_calls_section_end|>"),  # no index
+    (K, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        '{"x": NaN}<|tool_call_end|><|tool_calls_section_end|>'),
+    (K, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"),
 ]  # fmt: skip
 
 
@@ -214,6 +245,13 @@ def test_without_the_tools_raw_values_stay_text() -> None:
     )
     assert complete(Q, text) == (None, [call(0, "get_weather", {"days": "3"})])
     assert complete(Q, text, TOOLS) == (None, [call(0, "get_weather", {"days": 3})])
+
+
+def test_repeated_kimi_ids_are_replaced_by_fresh_ones() -> None:
+    one = "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    text = f"<|tool_calls_section_begin|>{one}{one}<|tool_calls_section_end|>"
+    _, calls = complete(K, text)
+    assert [c.id for c in calls] == ["call_0", "call_1"]
 
 
 # The lines of each family's published chat template that name its syntax.
@@ -233,6 +271,10 @@ DEEPSEEK_V3_TEMPLATE = (
     "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
     "tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments']}}"
 )
+KIMI_K2_TEMPLATE = (
+    "<|tool_calls_section_begin|>{%- for tool_call in message['tool_calls'] -%}"
+    "<|tool_call_begin|>{{ formatted_id }}<|tool_call_argument_begin|>"
+)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +284,9 @@ DEEPSEEK_V3_TEMPLATE = (
         (GLM45_TEMPLATE, {"<tool_call>": 151352}, Z),
         (DEEPSEEK_V31_TEMPLATE, {"<｜tool▁calls▁begin｜>": 128806}, D),
         (DEEPSEEK_V3_TEMPLATE, None, None),  # the ```json fenced syntax is not this parser's
+        (KIMI_K2_TEMPLATE, None, K),
         (None, {"<tool_call>": 151352, "<arg_key>": 151356}, Z),
+        (None, {"<|tool_calls_section_begin|>": 163595}, K),
     ],
 )
 def test_detect(template: str | None, vocab: dict[str, int] | None, expected: Any) -> None:

@@ -40,10 +40,16 @@ class More:
 
 @attrs.frozen
 class Done:
-    """The first ``end`` characters of the region are these calls: (name, arguments JSON)."""
+    """The first ``end`` characters of the region are these calls: (name, arguments JSON).
+
+    ``ids`` are the calls' own ids when the format writes them (Kimi K2's
+    ``functions.NAME:IDX``, which its template renders back verbatim on the next turn, so the
+    id we hand out must be the one the model wrote); None draws fresh ones.
+    """
 
     end: int
     calls: list[tuple[str, str]]
+    ids: list[str] | None = None
 
 
 @attrs.frozen
@@ -222,13 +228,14 @@ class StreamParser(abc.ABC):
                 match res:
                     case More():
                         return
-                    case Done(end, calls):
+                    case Done(end, calls, ids):
                         self._pending = ""
                         self._between_calls = True
-                        for name, args in calls:
+                        for k, (name, args) in enumerate(calls):
                             i = self._index
                             self._index += 1
-                            out += [ToolCallStart(i, self._new_id(), name)]
+                            call_id = ids[k] if ids is not None else self._new_id()
+                            out += [ToolCallStart(i, call_id, name)]
                             out += [ToolCallArgs(i, args), ToolCallEnd(i)]
                     case Bail(end):
                         self._text(self._buf[:end], out)

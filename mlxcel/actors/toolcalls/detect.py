@@ -23,6 +23,8 @@ def detect(
         return ToolFormat.QWEN3_CODER
     if "<arg_key>" in t:
         return ToolFormat.GLM45
+    if "<|tool_calls_section_begin|>" in t:
+        return ToolFormat.KIMI_K2
     if "<｜tool▁sep｜>" in t and "```json" not in t:
         # V3.1's NAME<｜tool▁sep｜>{json}; V3-0324 and R1 put the type before the separator and
         # the arguments in a ```json fence, a syntax not parsed here (the generic format then).
@@ -40,6 +42,7 @@ def detect(
     vocab = tokenizer_vocab or {}
     for token, fmt in (
         ("<arg_key>", ToolFormat.GLM45),  # GLM's vocabulary has <tool_call> too
+        ("<|tool_calls_section_begin|>", ToolFormat.KIMI_K2),
         ("<tool_call>", ToolFormat.HERMES),
         ("[TOOL_CALLS]", ToolFormat.MISTRAL),
         ("<|python_tag|>", ToolFormat.LLAMA3_JSON),

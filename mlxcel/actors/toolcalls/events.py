@@ -33,6 +33,9 @@ class ToolFormat(enum.StrEnum):
     # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...
     # <｜tool▁calls▁end｜> (DeepSeek V3.1, V3.2 chat templates).
     DEEPSEEK_V31 = "deepseek_v31"
+    # <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+    # <|tool_call_argument_begin|>{json}<|tool_call_end|>...<|tool_calls_section_end|> (Kimi K2).
+    KIMI_K2 = "kimi_k2"
     # llama-server's fallback for templates with none: tools described in the system prompt,
     # the answer one JSON object {"tool_call": ...} / {"tool_calls": [...]} / {"response": ...}.
     GENERIC = "generic"

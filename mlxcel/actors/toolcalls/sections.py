@@ -1,5 +1,5 @@
 """Formats that wrap calls in a section of special tokens, each call a name (or id) and a JSON
-arguments object between its own tokens: DeepSeek V3.1.
+arguments object between its own tokens: DeepSeek V3.1 and Kimi K2.
 
 The streamer sees special tokens spelled out (it detokenises with them kept), so the markers
 here are their text.
@@ -23,7 +23,7 @@ from mlxcel.actors.toolcalls.xml_args import _skip, expect
 
 
 class _Section(StreamParser):
-    """``SECTION_BEGIN (CALL_BEGIN name HEAD_END {json} CALL_END)+ SECTION_END``."""
+    """``SECTION_BEGIN (CALL_BEGIN head HEAD_END {json} CALL_END)+ SECTION_END``."""
 
     CALL_BEGIN = ""
     HEAD_END = ""
@@ -33,13 +33,14 @@ class _Section(StreamParser):
     def _begin(self, marker: str) -> None:
         self._pos = len(marker)
         self._calls: list[tuple[str, str]] = []
-        self._head: str | None = None  # the name of the call being read
+        self._ids: list[str] = []
+        self._head: tuple[str, str | None] | None = None  # (name, id) of the call being read
         self._bal: Balancer | None = None
         self._vstart = 0
         self._args: str | None = None  # the current call's arguments, once read
 
-    def _read_head(self, head: str) -> str | None:
-        """The call's name from the text before HEAD_END; None: not a call."""
+    def _read_head(self, head: str) -> tuple[str, str | None] | None:
+        """(name, the model's own call id or None) from the text before HEAD_END."""
         raise NotImplementedError
 
     def _scan(self, buf: str, final: bool) -> Scan:
@@ -66,7 +67,9 @@ class _Section(StreamParser):
                 if close < 0:
                     return Bail(j)
                 assert self._head is not None
-                self._calls.append((self._head, self._args))
+                name, call_id = self._head
+                self._calls.append((name, self._args))
+                self._ids.append(call_id or "")
                 self._args, self._head, self._pos = None, None, close
                 continue
             j = _skip(buf, self._pos)
@@ -102,7 +105,9 @@ class _Section(StreamParser):
             self._vstart, self._bal = j, Balancer(j)
 
     def _done(self, end: int) -> Scan:
-        return Done(end, self._calls)
+        # The model's ids only when it wrote one for every call, none twice.
+        unique = all(self._ids) and len(set(self._ids)) == len(self._ids)
+        return Done(end, self._calls, self._ids if unique else None)
 
 
 _NAME = re.compile(r"\s*([^\s<>{}]{1,200})\s*")
@@ -118,6 +123,30 @@ class DeepSeekV31Parser(_Section):
     CALL_END = "<｜tool▁call▁end｜>"
     SECTION_ENDS = ("<｜tool▁calls▁end｜>",)
 
-    def _read_head(self, head: str) -> str | None:
+    def _read_head(self, head: str) -> tuple[str, str | None] | None:
         m = _NAME.fullmatch(head)
-        return None if m is None else m.group(1)
+        return None if m is None else (m.group(1), None)
+
+
+# Kimi K2 ids are "functions.NAME:IDX" (IDX counts calls across the conversation).
+_KIMI_ID = re.compile(r"\s*((?:functions\.)?([^\s<>:]{1,200}):\d{1,9})\s*")
+
+
+class KimiK2Parser(_Section):
+    """``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``.
+
+    The call's id is the model's own ``functions.NAME:IDX``: Kimi's template writes an earlier
+    call back as its id (and a tool result as ``## Return of ID``), so the id we return is what
+    the model must read on the next turn, as vLLM's kimi_k2 parser does."""
+
+    # vLLM also accepts the singular spelling, which Kimi K2 writes at times.
+    markers = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+    CALL_BEGIN = "<|tool_call_begin|>"
+    HEAD_END = "<|tool_call_argument_begin|>"
+    CALL_END = "<|tool_call_end|>"
+    SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+
+    def _read_head(self, head: str) -> tuple[str, str | None] | None:
+        m = _KIMI_ID.fullmatch(head)
+        return None if m is None else (m.group(2), m.group(1))
