@@ -162,6 +162,17 @@ def template_caps(tokenizer: Any, template: str | None) -> dict[str, bool]:
         {"role": "tool", "tool_call_id": "call_probe", "content": "TOOL_RESULT_PROBE"},
     ]
     with_calls = render(turns)
+    if not with_calls:
+        # Some templates take the arguments as JSON text (DeepSeek V3.1's concatenates them);
+        # the tokenizer actor gives them text when the object is refused, so the caps do too.
+        as_text = [
+            {
+                **c,
+                "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])},
+            }
+            for c in (call, second)
+        ]
+        with_calls = render([user, {**turns[1], "tool_calls": as_text}, turns[2]])
     caps["supports_system_role"] = "SYSTEM_PROBE" in render(
         [{"role": "system", "content": "SYSTEM_PROBE"}, user]
     )

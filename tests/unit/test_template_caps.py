@@ -34,3 +34,14 @@ def test_caps_of_a_tool_template_a_plain_one_and_one_without_system(
     assert not plain["supports_tool_calls"]
     assert template_caps(tok, NO_SYSTEM)["supports_system_role"] is False
     assert not any(template_caps(tok, None).values())
+
+
+def test_a_template_that_takes_arguments_as_text_still_renders_calls(
+    tiny_model_dir: Path,
+) -> None:
+    from tests.support.templates import DEEPSEEK_V31_TOOLS
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    caps = template_caps(tok, DEEPSEEK_V31_TOOLS)
+    assert caps["supports_tool_calls"] and caps["supports_parallel_tool_calls"]
+    assert caps["supports_tool_responses"] and caps["supports_tools"]
