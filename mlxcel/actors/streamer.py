@@ -19,7 +19,14 @@ import trio
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
 from mlxcel.actors.loops import LoopDetector
 from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, ReasoningSplitter
-from mlxcel.actors.toolcalls import Parser, TextDelta, ToolCallStart, ToolFormat, make_parser
+from mlxcel.actors.toolcalls import (
+    MARKER_TEXTS,
+    Parser,
+    TextDelta,
+    ToolCallStart,
+    ToolFormat,
+    make_parser,
+)
 from mlxcel.runtime.errors import InternalError
 from mlxcel.runtime.messages import (
     CloseStream,
@@ -36,18 +43,7 @@ log = logging.getLogger(__name__)
 
 
 # Special tokens that output parsers read, so they must reach the text.
-MARKERS = frozenset(
-    {
-        "<|python_tag|>",
-        "[TOOL_CALLS]",
-        "[ARGS]",
-        "[CALL_ID]",
-        "<tool_call>",
-        "</tool_call>",
-        "<think>",
-        "</think>",
-    }
-)
+MARKERS = MARKER_TEXTS | {"<think>", "</think>"}
 
 
 def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:

@@ -75,3 +75,25 @@ def test_special_tokens_are_hidden_except_the_parsers_markers(smollm_tokenizer: 
     assert "".join(detok.add(t) for t in ids) + detok.flush() == "Hello"
     keep_im_start = IncrementalDetokenizer(smollm_tokenizer, hidden=hidden - {1})
     assert "".join(keep_im_start.add(t) for t in ids) + keep_im_start.flush() == "<|im_start|>Hello"
+
+
+def test_every_tool_format_marker_stays_visible_when_it_is_a_special_token() -> None:
+    # GLM-4.5, DeepSeek V3.1 and Kimi K2 make their call markers special tokens: hidden like
+    # other special tokens, no call of theirs could ever be parsed.
+    from tokenizers import AddedToken
+
+    from mlxcel.actors.streamer import hidden_special_tokens
+
+    markers = [
+        "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+        "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
+    ]  # fmt: skip
+
+    class Vocab:
+        added_tokens_decoder = {
+            i: AddedToken(t, special=True) for i, t in enumerate([*markers, "<|im_end|>"])
+        }
+
+    assert hidden_special_tokens(Vocab()) == {len(markers)}

@@ -40,6 +40,7 @@ from mlxcel.actors.toolcalls.sections import DeepSeekV31Parser, KimiK2Parser
 from mlxcel.actors.toolcalls.xml_args import Glm45Parser, Qwen3CoderParser, Schemas, tool_schemas
 
 __all__ = [
+    "MARKER_TEXTS",
     "Event",
     "IdFactory",
     "Parser",
@@ -55,6 +56,29 @@ __all__ = [
     "make_parser",
     "parse_complete",
 ]
+
+# Every marker the parsers read. Models whose vocabulary makes one a special token (GLM's
+# <arg_key>, DeepSeek's and Kimi's section tokens, Qwen's <tool_call>) must still have it
+# spelled out in the text the parsers see, so the streamer keeps these special tokens visible.
+MARKER_TEXTS = frozenset(
+    {
+        *HermesParser.markers,
+        HermesParser.CLOSE,
+        *Llama3JsonParser.markers,
+        *MistralParser.markers,
+        "[ARGS]",
+        "[CALL_ID]",
+        *Qwen3CoderParser.markers,
+        Qwen3CoderParser.CLOSE,
+        *Glm45Parser.markers,
+        Glm45Parser.CLOSE,
+        *Glm45Parser.TAGS,
+        *DeepSeekV31Parser.markers,
+        *DeepSeekV31Parser.tokens(),
+        *KimiK2Parser.markers,
+        *KimiK2Parser.tokens(),
+    }
+)
 
 _PARSERS: dict[ToolFormat, Callable[[IdFactory, Schemas], Parser]] = {
     ToolFormat.HERMES: lambda new_id, _: HermesParser(new_id),

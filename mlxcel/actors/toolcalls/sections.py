@@ -43,6 +43,11 @@ class _Section(StreamParser):
         """(name, the model's own call id or None) from the text before HEAD_END."""
         raise NotImplementedError
 
+    @classmethod
+    def tokens(cls) -> tuple[str, ...]:
+        """The markers inside a section (special tokens in the model's vocabulary)."""
+        return (cls.CALL_BEGIN, cls.HEAD_END, cls.CALL_END, *cls.SECTION_ENDS)
+
     def _scan(self, buf: str, final: bool) -> Scan:
         more: Scan = Bail(len(buf)) if final else More()
         while True:

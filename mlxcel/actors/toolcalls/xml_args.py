@@ -241,6 +241,7 @@ class Glm45Parser(_Tagged):
 
     markers = ("<tool_call>",)
     CLOSE = "</tool_call>"
+    TAGS = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 
     def _begin(self, marker: str) -> None:
         self._pos = len(marker)
