@@ -31,7 +31,7 @@ class ToolFormat(enum.StrEnum):
     # 4.6, 4.7): string values raw, others JSON.
     GLM45 = "glm45"
     # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...
-    # <｜tool▁calls▁end｜> (DeepSeek V3.1, V3.2 chat templates).
+    # <｜tool▁calls▁end｜> (DeepSeek V3.1, V3.2-Exp chat templates).
     DEEPSEEK_V31 = "deepseek_v31"
     # <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
     # <|tool_call_argument_begin|>{json}<|tool_call_end|>...<|tool_calls_section_end|> (Kimi K2).

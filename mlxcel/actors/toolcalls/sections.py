@@ -120,7 +120,7 @@ _NAME = re.compile(r"\s*([^\s<>{}]{1,200})\s*")
 
 class DeepSeekV31Parser(_Section):
     """``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>
-    ...<｜tool▁calls▁end｜>`` (DeepSeek V3.1/V3.2 templates)."""
+    ...<｜tool▁calls▁end｜>`` (DeepSeek V3.1 and V3.2-Exp templates)."""
 
     markers = ("<｜tool▁calls▁begin｜>",)
     CALL_BEGIN = "<｜tool▁call▁begin｜>"
