@@ -9,6 +9,7 @@ a wrong position, frequency, head or mask entry moves them by O(1).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mlxcel.models.mlx_setup import mx
@@ -158,7 +159,7 @@ def test_decode_attention_additive_values_count(native_isa: str) -> None:
 
 
 @needs_ext
-@pytest.mark.parametrize(("lq", "s"), [(7, 7), (5, 40), (64, 64), (3, 300)])
+@pytest.mark.parametrize(("lq", "s"), [(7, 7), (5, 40), (64, 64), (3, 300), (37, 700)])
 def test_prompt_attention(lq: int, s: int, native_isa: str) -> None:
     """Several queries (a prompt chunk, a speculative check) with the causal mask, bottom-right
     aligned as mlx's, and with a left-padding mask beside it."""
@@ -172,6 +173,10 @@ def test_prompt_attention(lq: int, s: int, native_isa: str) -> None:
     # Causal and padding at once, as a batch's prompt mask is: an explicit bool array.
     pads = mx.array([0, 2])
     causal = mx.arange(s)[None, :] <= mx.arange(s - lq, s)[:, None]
+    # The causal bound as a bool array (rows that keep every key it leaves) and as a flag
+    # take different paths through the mask; the bits are the same.
+    spelled = attention(q, k, v, scale=0.125, mask=mx.broadcast_to(causal, (2, 1, lq, s)))
+    assert spelled is not None and mx.array_equal(spelled, out).item()
     keep = causal[None, None] & (mx.arange(s) >= pads[:, None])[:, None, None, :]
     out = attention(q, k, v, scale=0.125, mask=keep)
     assert out is not None
@@ -182,13 +187,14 @@ def test_prompt_attention(lq: int, s: int, native_isa: str) -> None:
 
 
 @needs_ext
-@pytest.mark.parametrize("d", [64, 80, 128, 192])
-def test_a_query_gets_the_same_bits_in_a_prompt_and_alone(d: int, native_isa: str) -> None:
-    """Many query rows per KV head take the blocked path (keys transposed, 16 scored at once),
-    a decode step's one row the one-key path: both group every sum alike, so a query's
-    result is the same bits either way (a prompt's last row = the next decode step's)."""
+@pytest.mark.parametrize(("d", "s"), [(64, 40), (80, 40), (128, 40), (192, 40), (64, 300)])
+def test_a_query_gets_the_same_bits_in_a_prompt_and_alone(d: int, s: int, native_isa: str) -> None:
+    """Many query rows per KV head take the blocked path (keys transposed, 16 scored at once,
+    rows sharing each block of keys and of values), a decode step's one row the one-key path:
+    both group every sum alike, so a query's result is the same bits either way (a prompt's
+    last row = the next decode step's), over one block of values or several."""
     mx.random.seed(8)
-    lq, s = 12, 40
+    lq = 12
     q = mx.random.normal((1, 4, lq, d))
     k = mx.random.normal((1, 2, s, d))
     v = mx.random.normal((1, 2, s, d))
@@ -199,6 +205,39 @@ def test_a_query_gets_the_same_bits_in_a_prompt_and_alone(d: int, native_isa: st
         one = attention(q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end], scale=0.1, mask=None)
         assert one is not None
         assert mx.array_equal(one, prompt[:, :, i : i + 1]).item(), i
+
+
+@needs_ext
+@pytest.mark.parametrize(("h", "kv"), [(9, 3), (4, 2), (10, 2), (14, 2), (12, 4), (6, 1)])
+@pytest.mark.parametrize("d", [64, 80, 128, 192])
+def test_query_heads_sharing_a_kv_head_get_the_bits_they_get_one_at_a_time(
+    h: int, kv: int, d: int, native_isa: str
+) -> None:
+    """Decode with grouped query heads reads each key and value once for all the heads that
+    share them; a mask that differs between heads (here all keeps, so the same result) sends
+    the kernel down the one-head-at-a-time path. Both must give the same bits."""
+    mx.random.seed(9)
+    b, s = 2, 300
+    for lq in (1, 2):
+        if (h // kv) * lq >= 8:
+            continue  # the blocked path: covered above
+        q = mx.random.normal((b, h, lq, d))
+        k = mx.random.normal((b, kv, s + 8, d))[:, :, :s]
+        v = mx.random.normal((b, kv, s + 8, d))[:, :, :s]
+        pads = mx.array([0, 7])
+        keep = (mx.arange(s)[None, :] >= pads[:, None])[:, None, None, :]
+        per_head = mx.broadcast_to(keep, (b, h, 1, s))
+        for mask, apart in (
+            (None, mx.ones((b, h, 1, s), dtype=mx.bool_)),
+            (keep, per_head),
+            (mx.where(keep, 0.0, -float("inf")), mx.where(per_head, 0.0, -float("inf"))),
+        ):
+            together = attention(q, k, v, scale=d**-0.5, mask=mask)
+            # A copy in memory: a mask that varies over heads, as far as the kernel can tell.
+            one_by_one = attention(q, k, v, scale=d**-0.5, mask=mx.array(np.array(apart)))
+            assert together is not None and one_by_one is not None
+            assert mx.array_equal(together, one_by_one).item(), (lq, mask is None)
+            _close(together, _sdpa(q, k, v, mask), 2e-6)
 
 
 def test_attention_declines_what_it_does_not_do() -> None:

@@ -112,8 +112,18 @@ struct AttnArgs {
   bool causal;
   float scale;
   float* out;  // [B, H, Lq, Dv] row-major
+  // Set by attention_grouped: the H / KVH query heads of a KV head are computed together
+  // (each key and value read once for all of them), and the kernels' ranges count units
+  // (b * KVH + g) * Lq + i, each the rows of heads g * H / KVH .. (g + 1) * H / KVH - 1.
+  bool grouped = false;
 };
-// Computes query rows [r0, r1), row index (b * H + h) * Lq + i.
+// Whether the kernels take `a` a KV head's query heads at a time: when several heads share
+// a KV head, the keys are scored one query row at a time (few query rows: decode), and the
+// mask is the same for every head.
+bool attention_grouped(const AttnArgs& a);
+// Whether attend_rows scores the keys in transposed blocks (many query rows per KV head).
+bool attention_blocked(const AttnArgs& a);
+// Computes query rows [r0, r1), row index (b * H + h) * Lq + i (units when a.grouped).
 void attention_avx512(const AttnArgs& a, int64_t r0, int64_t r1);
 void attention_avx2(const AttnArgs& a, int64_t r0, int64_t r1);
 

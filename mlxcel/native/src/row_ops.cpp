@@ -220,6 +220,18 @@ bool Rope::is_equivalent(const mx::Primitive& other) const {
       o->base_ == base_ && o->scale_ == scale_;
 }
 
+bool attention_blocked(const AttnArgs& a) {
+  // From 8 query rows per KV head on, transposing its keys once pays for itself.
+  return int64_t(a.H / a.KVH) * a.Lq >= 8;
+}
+
+bool attention_grouped(const AttnArgs& a) {
+  // Below attention_blocked's threshold attend_rows would read every key once per query
+  // head; with a mask that differs between heads, the heads keep different keys.
+  const bool mask_per_head = (a.keep != nullptr || a.add != nullptr) && a.m_sh != 0;
+  return a.H / a.KVH > 1 && !attention_blocked(a) && !mask_per_head;
+}
+
 mx::array attention(
     const mx::array& q,
     const mx::array& k,
@@ -316,10 +328,12 @@ void Attention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   a.causal = causal_;
   a.scale = scale_;
   a.out = out.data<float>();
+  a.grouped = attention_grouped(a);
   encoder.dispatch([a, kernel = isa_ == Isa::avx512 ? attention_avx512 : attention_avx2]() {
-    const int64_t rows = int64_t(a.B) * a.H * a.Lq;
-    // Split over the pool when the keys read are many (long contexts, prompts, big batches).
-    const int64_t work = rows * a.S * (a.D + a.Dv);
+    // Grouped, the kernels count units of H / KVH rows (AttnArgs::grouped).
+    const int64_t rows = int64_t(a.B) * (a.grouped ? a.KVH : a.H) * a.Lq;
+    // Split over the pool when the multiply-adds are many (long contexts, prompts, batches).
+    const int64_t work = int64_t(a.B) * a.H * a.Lq * a.S * (a.D + a.Dv);
     Pool& pool = Pool::instance();
     const int64_t tasks = work < (1L << 18) ? 1 : std::min<int64_t>(rows, pool.threads() * 8);
     if (tasks <= 1) return kernel(a, 0, rows);
