@@ -7,6 +7,7 @@ here are their text.
 
 from __future__ import annotations
 
+import abc
 import re
 
 from mlxcel.actors.toolcalls._stream import (
@@ -39,9 +40,9 @@ class _Section(StreamParser):
         self._vstart = 0
         self._args: str | None = None  # the current call's arguments, once read
 
+    @abc.abstractmethod
     def _read_head(self, head: str) -> tuple[str, str | None] | None:
         """(name, the model's own call id or None) from the text before HEAD_END."""
-        raise NotImplementedError
 
     @classmethod
     def tokens(cls) -> tuple[str, ...]:
