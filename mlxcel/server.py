@@ -271,6 +271,7 @@ async def serve(
         )
         metrics.live.scheduler = registry.statistics
         metrics.live.queued = lambda: registry.queued
+        metrics.live.model_loads = registry.loads
         workers = {"embedding": side.embedder, "rerank": side.reranker}
         metrics.live.side_jobs = lambda: {
             name: (w.queued, w.working) for name, w in workers.items() if w is not None

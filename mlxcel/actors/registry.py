@@ -61,6 +61,8 @@ class Entry:
     # Asked for by /models/load (kept queued even with nobody waiting).
     pinned_load: bool = False
     error: str | None = None
+    # Loads completed since start (router mode swaps models: /metrics shows how often).
+    loads: int = 0
 
     @property
     def busy(self) -> bool:
@@ -156,6 +158,10 @@ class Registry:
             ModelStatus(e.name, e.source, e.status, e.hosted, e.error)
             for e in sorted(self._entries.values(), key=lambda e: e.name)
         ]
+
+    def loads(self) -> dict[str, int]:
+        """Model name -> loads completed since start (router mode; for /metrics)."""
+        return {e.name: e.loads for e in self._entries.values()} if self.router else {}
 
     def loaded(self) -> list[Hosted]:
         return [e.hosted for e in self._entries.values() if e.hosted is not None]
@@ -356,6 +362,7 @@ class Registry:
                     entry.hosted = await nursery.start(self._host_forever, entry)
                     entry.status = LOADED
                     entry.last_used = time.monotonic()
+                    entry.loads += 1
                     log.info("loaded %s in %.1f s", entry.name, time.perf_counter() - started)
                     self._notify()
                     self._pump()

