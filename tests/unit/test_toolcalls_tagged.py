@@ -7,7 +7,6 @@ come from the tools' schemas (as vLLM's qwen3_coder and glm45 parsers read them)
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -59,10 +58,6 @@ TOOLS: list[dict[str, object]] = [
     },
 ]
 CODE = "def f():\n    return {'a': '</tool_call>'}  # <parameter=x>\n"
-
-
-def kcall(i: int, name: str, args: dict[str, object], call_id: str) -> ToolCall:
-    return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False))
 
 
 VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
@@ -169,7 +164,8 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         None,
         [call(0, "now", {})],
     ),
-    # Kimi K2: the model's own ids are the call ids
+    # Kimi K2: the calls get the API's ids, not the model's functions.NAME:IDX (the prompt
+    # restores those; see test_kimi_history_ids)
     (
         K,
         "I'll check.<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0"
@@ -178,8 +174,8 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         "<|tool_call_end|>\n<|tool_calls_section_end|>",
         "I'll check.",
         [
-            kcall(0, "get_weather", {"city": "Paris"}, "functions.get_weather:0"),
-            kcall(1, "math.sqrt", {"x": 2}, "functions.math.sqrt:1"),
+            call(0, "get_weather", {"city": "Paris"}),
+            call(1, "math.sqrt", {"x": 2}),
         ],
     ),
     # the singular section spelling Kimi K2 sometimes writes
@@ -188,7 +184,7 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         "<|tool_call_section_begin|><|tool_call_begin|>functions.now:3"
         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_section_end|>",
         None,
-        [kcall(0, "now", {}, "functions.now:3")],
+        [call(0, "now", {})],
     ),
 ]
 
