@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import abc
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mlxcel.actors.toolcalls._stream import (
     Bail,
@@ -147,7 +149,8 @@ class KimiK2Parser(_Section):
     <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``.
 
     Calls get ids of the API family (``call_...``, ``toolu_...``), not the model's own
-    ``functions.NAME:IDX``: ids must look like the family's."""
+    ``functions.NAME:IDX``: ids must look like the family's and come back from the client as it
+    keeps them, so the prompt is where Kimi's spelling is restored (``kimi_history_ids``)."""
 
     # vLLM also accepts the singular spelling, which Kimi K2 writes at times.
     markers = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
@@ -160,3 +163,30 @@ class KimiK2Parser(_Section):
         m = _KIMI_ID.fullmatch(head)
         return None if m is None else m.group(2)
 
+
+def kimi_history_ids(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with Kimi's own call ids: each earlier call becomes ``functions.NAME:IDX``
+    (IDX counting calls across the conversation, as the model numbers them) and each tool
+    result points at its call's new id. Clients keep the ids we gave them (``call_...``,
+    ``toolu_...``); Kimi's template writes ids verbatim, and the model reads this syntax."""
+    ids: dict[str, str] = {}
+    count = 0
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        calls = msg.get("tool_calls")
+        if msg.get("role") == "assistant" and isinstance(calls, list):
+            renamed = []
+            for call in calls:
+                fn = call.get("function") if isinstance(call, Mapping) else None
+                if isinstance(fn, Mapping):
+                    kimi = f"functions.{fn.get('name')}:{count}"
+                    count += 1
+                    ids[str(call.get("id"))] = kimi
+                    call = {**call, "id": kimi}
+                renamed.append(call)
+            out.append({**msg, "tool_calls": renamed})
+        elif msg.get("role") == "tool" and str(msg.get("tool_call_id")) in ids:
+            out.append({**msg, "tool_call_id": ids[str(msg.get("tool_call_id"))]})
+        else:
+            out.append(dict(msg))
+    return out
