@@ -22,6 +22,7 @@ import jsonschema
 import openai
 import pytest
 
+from mlxcel.actors.section_grammars import MAX_PARALLEL_CALLS
 from tests.conftest import ServerProcess
 from tests.support.templates import (
     DEEPSEEK_V31_TOOLS,
@@ -333,3 +334,41 @@ def test_ids_look_like_each_family_and_round_trip(family: tuple[str, ServerProce
             {"type": "function_call_output", "call_id": call.call_id, "output": "RESULT: sunny"},
         ])  # fmt: skip
     assert [i.type for i in follow.output] == ["function_call"]
+
+
+def test_parallel_forced_calls_end_at_the_cap_or_at_one(
+    family: tuple[str, ServerProcess],
+) -> None:
+    """Forced calls end within a bound a client can see: at most MAX_PARALLEL_CALLS (greedy
+    random weights in DeepSeek's format repeat calls until the grammar stops them, where they
+    used to run to max_tokens), and exactly one when parallel calls are turned off, on every
+    API family."""
+    name, server = family
+    with _client(server) as client:
+        r = client.chat.completions.create(**_forced(max_tokens=2000), temperature=0)
+        calls = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert 1 <= len(calls) <= MAX_PARALLEL_CALLS
+        if name == "deepseek_v31":
+            assert len(calls) == MAX_PARALLEL_CALLS
+        one = client.chat.completions.create(
+            **_forced(max_tokens=2000), temperature=0, parallel_tool_calls=False
+        )
+        assert one.choices[0].finish_reason == "tool_calls"
+        assert len(one.choices[0].message.tool_calls or []) == 1
+        responses = client.responses.create(
+            model="default", input=ASK[0]["content"], max_output_tokens=2000, temperature=0,
+            tools=[{"type": "function", **t["function"]} for t in TOOLS],
+            tool_choice="required", parallel_tool_calls=False, store=False,
+        )  # fmt: skip
+    assert [i.type for i in responses.output] == ["function_call"]
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    with claude:
+        message = claude.messages.create(
+            model="default", max_tokens=2000, extra_body={"temperature": 0}, messages=ASK,
+            tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                   for t in TOOLS],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        )  # fmt: skip
+    assert message.stop_reason == "tool_use"
+    assert [b.type for b in message.content] == ["tool_use"]
