@@ -103,7 +103,10 @@ BETAS = [
     "fine-grained-tool-streaming-2025-05-14",
 ]
 # A 1x1 PNG, as the Read tool returns a screenshot.
-PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="
+PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAF"
+    "BQIAX8jx0gAAAABJRU5ErkJggg=="
+)
 RESULTS = {
     "Bash": "README.md\nscreenshot.png\nsrc\ntests",
     "Glob": "/home/user/project/src/main.py\n/home/user/project/src/util.py",
