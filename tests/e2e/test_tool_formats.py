@@ -372,3 +372,42 @@ def test_parallel_forced_calls_end_at_the_cap_or_at_one(
         )  # fmt: skip
     assert message.stop_reason == "tool_use"
     assert [b.type for b in message.content] == ["tool_use"]
+
+
+def test_a_call_cut_by_max_tokens_shows_no_raw_format_text(
+    family: tuple[str, ServerProcess],
+) -> None:
+    """max_tokens ending a forced call inside its arguments: finish_reason length, none of the
+    format's markers as content, and (formats whose arguments are JSON text) the call as far
+    as it got, streamed and not alike."""
+    name, server = family
+    one = _forced({"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    with _client(server) as client:
+        full = client.chat.completions.create(**one, logprobs=True)
+        assert full.choices[0].message.tool_calls and full.choices[0].logprobs
+        whole_args = full.choices[0].message.tool_calls[0].function.arguments
+        # Cut just after the second argument's name is written: inside the arguments.
+        tokens = [bytes(t.bytes or []) for t in full.choices[0].logprobs.content or []]
+        n = next(i for i in range(1, len(tokens)) if b"days" in b"".join(tokens[:i]))
+        cut = {**one, "max_tokens": n}
+        r = client.chat.completions.create(**cut)
+        chunks = list(client.chat.completions.create(**cut, stream=True))
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_args = "".join(
+        (d.function and d.function.arguments) or ""
+        for c in chunks
+        if c.choices
+        for d in c.choices[0].delta.tool_calls or []
+    )
+    assert not streamed_text
+    calls = choice.message.tool_calls or []
+    if name in ("deepseek_v31", "kimi_k2"):
+        assert [c.function.name for c in calls] == ["get_weather"]
+        args = calls[0].function.arguments
+        assert whole_args.startswith(args) and args != whole_args
+        assert streamed_args == args
+    else:  # raw-text arguments: no JSON so far to show, and no markup either
+        assert not calls and not streamed_args

@@ -491,6 +491,13 @@ CUT: list[tuple[ToolFormat, str, list[Event]]] = [
             ToolCallArgs(1, '{"city": "Os'),
         ],
     ),
+    # raw-text arguments: the cut call is left out, and none of its markup is content
+    (
+        ToolFormat.QWEN3_CODER,
+        "Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days",
+        [TextDelta("Checking.")],
+    ),
     # arguments whole, only the call's end marker cut: a whole call
     (
         D,

@@ -283,8 +283,12 @@ class StreamParser(abc.ABC):
                     case Done(end, calls):
                         self._emit(calls, out)
                     case Bail(end):
-                        if not (final and self._cut and self._marker):
-                            self._text(self._buf[:end], out)
+                        if final and self._cut and self._marker:
+                            # The budget ended a call inside this format's markup: none of
+                            # what is left is the answer.
+                            self._buf, self._in_region = "", False
+                            return
+                        self._text(self._buf[:end], out)
                 self._buf = self._buf[end:]
                 self._in_region = False
                 continue
