@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 from mlxcel.actors import section_grammars
 from mlxcel.actors.json_schemas import close_schema
+from mlxcel.actors.section_grammars import MAX_PARALLEL_CALLS, MORE_CALLS
 from mlxcel.actors.toolcalls.events import ToolFormat
 from mlxcel.runtime.errors import InvalidRequest
 from mlxcel.runtime.messages import (
@@ -169,21 +170,20 @@ def tool_call_lark(
                 "</tool_call>", special
             )
             rules = [f"call: {one}", f"call_json: {body}"]
-            start = 'call ("\\n" call)*' if many else "call"
+            start = f'call ("\\n" call){MORE_CALLS}' if many else "call"
         case ToolFormat.LLAMA3_JSON:
             rules = [f"call: {_json_rule(_calls_schema(calls, 'parameters'))}"]
-            start = 'call ("; " call)*' if many else "call"
+            start = f'call ("; " call){MORE_CALLS}' if many else "call"
         case ToolFormat.MISTRAL:
             item = _calls_schema(calls, "arguments")
             array = {"type": "array", "items": item, "minItems": 1}
-            if not many:
-                array["maxItems"] = 1
+            array["maxItems"] = MAX_PARALLEL_CALLS if many else 1
             rules = [f"calls: {_json_rule(array)}"]
             start = f"{_marker('[TOOL_CALLS]', special)} calls"
         case ToolFormat.PYTHONIC:
             alts = " | ".join(_pythonic_call(n, p) for n, p in calls)
             rules = [f"call: {alts}"]
-            start = '"[" call (", " call)* "]"' if many else '"[" call "]"'
+            start = f'"[" call (", " call){MORE_CALLS} "]"' if many else '"[" call "]"'
         case ToolFormat.QWEN3_CODER:
             return section_grammars.qwen3_coder(calls, many, marker, JSON_OPTIONS)
         case ToolFormat.GLM45:
@@ -212,7 +212,10 @@ def generic_tool_grammar(
     that is a string or matches ``response_schema``."""
     calls = _calls_schema(_tool_index(tools, names), "arguments")
     key, value = (
-        ("tool_calls", {"type": "array", "items": calls, "minItems": 1})
+        (
+            "tool_calls",
+            {"type": "array", "items": calls, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS},
+        )
         if parallel
         else ("tool_call", calls)
     )

@@ -20,6 +20,13 @@ from typing import Any
 from mlxcel.actors.json_schemas import close_schema
 from mlxcel.actors.toolcalls.xml_args import glm45_value, qwen3_coder_text, qwen3_coder_value
 
+# The most calls one forced answer may hold (parallel calls allowed): without a bound a model
+# can write calls until max_tokens (small and random-weight ones do). Documented in
+# docs/reference/http-api.md.
+MAX_PARALLEL_CALLS = 16
+# The grammar's repetition of the calls after the first.
+MORE_CALLS = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
+
 Marker = Callable[[str], str]  # a format marker as a grammar item (its special token or text)
 
 
@@ -227,10 +234,10 @@ def kimi_k2(
 
 
 def _section(rules: _Rules, call: str, parallel: bool, begin: str, end: str) -> str:
-    body = "call+" if parallel else "call"
+    body = f"call{{1,{MAX_PARALLEL_CALLS}}}" if parallel else "call"
     return "\n".join([f"start: {begin} {body} {end}", f"call: {call}", *rules.lines]) + "\n"
 
 
 def _assemble(rules: _Rules, one: str, between: str, parallel: bool) -> str:
-    start = f"call ({between} call)*" if parallel else "call"
+    start = f"call ({between} call){MORE_CALLS}" if parallel else "call"
     return "\n".join([f"start: {start}", f"call: {one}", *rules.lines]) + "\n"

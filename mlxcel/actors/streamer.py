@@ -168,7 +168,7 @@ class Streamer:
         final = matched is not None or t.finish_reason is not None or looped
         if final and matched is None:
             emit += stream.stops.flush()
-        self._route(stream, emit, final)
+        self._route(stream, emit, final, cut=matched is None and t.finish_reason == "length")
         stream.slot.push("", n, lp, choice=t.choice, token=t.token if n else None)
         if not final:
             return
@@ -189,8 +189,9 @@ class Streamer:
             else:
                 self._aborts.notify(t.request_id)
 
-    def _route(self, stream: _Stream, text: str, final: bool) -> None:
-        """Split thinking from the answer, then tool calls from the answer's text."""
+    def _route(self, stream: _Stream, text: str, final: bool, cut: bool = False) -> None:
+        """Split thinking from the answer, then tool calls from the answer's text; ``cut``: the
+        token budget ended the output, so a call being written comes out as far as it got."""
         pieces: list[ReasoningDelta | TextDelta] = [TextDelta(text)] if text else []
         if stream.reasoning is not None:
             pieces = stream.reasoning.feed(text) if text else []
@@ -204,7 +205,7 @@ class Streamer:
             else:
                 self._tool_events(stream, stream.tools.feed(piece.text))
         if final and stream.tools is not None:
-            self._tool_events(stream, stream.tools.finish())
+            self._tool_events(stream, stream.tools.finish(cut=cut))
 
     def _tool_events(self, stream: _Stream, events: list[Any]) -> None:
         for event in events:

@@ -16,6 +16,7 @@ import trio
 from mlxcel.actors import grammars
 from mlxcel.actors.reasoning import ReasoningFormat
 from mlxcel.actors.toolcalls import ToolFormat, generic
+from mlxcel.actors.toolcalls.sections import kimi_history_ids
 from mlxcel.runtime.errors import ContextOverflow, InternalError, InvalidRequest, MlxcelError
 from mlxcel.runtime.messages import (
     ChatPrompt,
@@ -171,6 +172,8 @@ class TokenizerActor:
                     messages = self._generic_messages(request, messages)
                 elif tools:
                     extra["tools"] = list(tools)
+                if self._tool_format is ToolFormat.KIMI_K2:
+                    messages = tuple(kimi_history_ids(messages))
                 # A final assistant turn to continue (an Anthropic prefill) replaces the new one.
                 add_generation = not extra.get("continue_final_message", False)
                 try:

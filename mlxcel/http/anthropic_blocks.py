@@ -16,6 +16,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+import jiter
+
 from mlxcel.actors.toolcalls import ToolCallArgs, ToolCallEnd, ToolCallStart, collect
 from mlxcel.http.anthropic_wire import Thinking
 from mlxcel.http.chat_render import Collected
@@ -106,10 +108,24 @@ def content(c: Collected, thinking: Thinking) -> list[dict[str, Any]]:
                 "type": "tool_use",
                 "id": tool_use_id(call.id),
                 "name": call.name,
-                "input": json.loads(call.arguments),
+                "input": tool_input(call.arguments),
             }
         )
     return blocks
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's ``input``. A call that max_tokens cut has arguments that end mid-JSON: they read
+    as far as they go, as the anthropic SDK reads a streamed ``input_json_delta`` (jiter's
+    partial mode), so a streamed and a non-streamed answer show the same input."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        try:
+            value = jiter.from_json(arguments.encode(), partial_mode=True)
+        except ValueError:
+            value = {}
+    return value if isinstance(value, dict) else {}
 
 
 class BlockStream:

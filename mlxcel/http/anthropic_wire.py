@@ -127,12 +127,21 @@ def _readable(block: dict[str, Any], kind: str, at: str) -> str | None:
     return None
 
 
-def _text_only(content: Any, at: str) -> str:
-    """Text of a string or of text/document blocks (system prompts, tool results)."""
+def _text_only(content: Any, at: str, *, image_notes: bool = False) -> str:
+    """Text of a string or of text/document blocks (system prompts, tool results).
+
+    ``image_notes`` (tool results): an image (Claude Code's screenshots, an image file read)
+    becomes a note the model reads. Tool results reach the template as text, and a 400 would
+    end an agent's session for good: the image stays in the history it resends every turn."""
     texts = []
     for j, block in enumerate(_blocks(content, at)):
         where = f"{at}[{j}]"
         kind = _block_type(block, where)
+        if kind == "image" and image_notes:
+            url = _image_url(block, where)  # a malformed source is still a 400 naming it
+            media = url[5 : url.index(";")] if url.startswith("data:") and ";" in url else "url"
+            texts.append(f"[image ({media}) not shown: tool results are read as text here]")
+            continue
         text = _readable(block, kind, where)
         if text is None:
             raise InvalidRequest(
@@ -203,7 +212,7 @@ class _Turns:
     def _tool_result(self, block: dict[str, Any], at: str) -> dict[str, Any]:
         call_id = _string(block, "tool_use_id", at)
         content = block.get("content")
-        text = "" if content is None else _text_only(content, f"{at}.content")
+        text = "" if content is None else _text_only(content, f"{at}.content", image_notes=True)
         if block.get("is_error") is True:
             # Tool messages have no error flag; say it where the model reads it.
             text = f"Error: {text}"

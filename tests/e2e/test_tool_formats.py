@@ -12,6 +12,7 @@ deltas must assemble to exactly the non-streamed answer for the same seed.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ import jsonschema
 import openai
 import pytest
 
+from mlxcel.actors.section_grammars import MAX_PARALLEL_CALLS
 from tests.conftest import ServerProcess
 from tests.support.templates import (
     DEEPSEEK_V31_TOOLS,
@@ -136,8 +138,8 @@ def test_a_forced_call_is_written_in_the_family_syntax_and_parsed(
     # Token bytes, not token strings: DeepSeek's markers split inside UTF-8 characters.
     raw = b"".join(bytes(t.bytes or []) for t in choice.logprobs.content).decode()
     assert raw.startswith(FAMILIES[name][1]), raw
-    if name == "kimi_k2":  # the model's own id, which its template writes back next turn
-        assert calls[0].id.startswith("functions.get_weather:")
+    # OpenAI's id syntax on every family, Kimi's too (the model wrote functions.NAME:IDX).
+    assert re.fullmatch(r"call_[0-9a-f]{24}", calls[0].id), calls[0].id
 
 
 @pytest.mark.parametrize("seed", [11, 12])
@@ -174,18 +176,13 @@ def test_streamed_deltas_assemble_to_exactly_the_non_streamed_calls(
     assert expected
     for fn, arguments in expected:
         jsonschema.validate(json.loads(arguments), SCHEMAS[fn])
-    if choice.message.tool_calls and choice.message.tool_calls[0].id.startswith("functions."):
-        # Kimi's ids come from the output itself, so they match too.
-        assert [c["id"] for _, c in sorted(calls.items())] == [
-            c.id for c in choice.message.tool_calls
-        ]
 
 
 def test_an_earlier_call_and_its_result_render_through_the_family_template(
     family: tuple[str, ServerProcess],
 ) -> None:
     name, server = family
-    call_id = "functions.get_weather:0" if name == "kimi_k2" else "call_abc"
+    call_id = "call_abc"
     messages: list[Any] = [
         *ASK,
         {
@@ -206,7 +203,8 @@ def test_an_earlier_call_and_its_result_render_through_the_family_template(
     prompt = httpx.post(
         f"{server.base_url}/apply-template", json={"messages": messages, "tools": TOOLS}
     ).json()["prompt"]
-    written = FAMILIES[name][2].replace("CALL_ID", call_id)
+    # Kimi reads its own id syntax whatever id the client kept (see the test below).
+    written = FAMILIES[name][2].replace("CALL_ID", "functions.get_weather:0")
     assert written in prompt, prompt
     assert prompt.index(written) < prompt.index("RESULT: sunny, 21 C")
     # ... and the next turn, forced again, is served.
@@ -272,3 +270,144 @@ def test_anthropic_and_responses_streams_assemble_to_the_same_calls(
         if e.type == "response.function_call_arguments.delta":
             deltas[e.item_id] = deltas.get(e.item_id, "") + e.delta
     assert list(deltas.values()) == [args for _, args in calls]
+
+
+def test_ids_look_like_each_family_and_round_trip(family: tuple[str, ServerProcess]) -> None:
+    """Anthropic's ``toolu_`` ids and Responses' ``call_`` ids, whatever the model's own id
+    syntax (Kimi K2 writes ``functions.NAME:IDX``); sent back with the result, they reach the
+    template as the model's own syntax, and the next turn is served."""
+    name, server = family
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    tools: list[Any] = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
+    ]
+    kw: dict[str, Any] = {
+        "model": "default",
+        "max_tokens": 200,
+        "extra_body": {"temperature": 0},
+        "tools": tools,
+        "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+    }
+    with claude:
+        first = claude.messages.create(**kw, messages=ASK)
+        (use,) = [b for b in first.content if b.type == "tool_use"]
+        # Anthropic's own pattern for tool_use ids.
+        assert re.fullmatch(r"toolu_[A-Za-z0-9_-]+", use.id), use.id
+        result = {"type": "tool_result", "tool_use_id": use.id, "content": "RESULT: sunny"}
+        turn: list[Any] = [*ASK, {"role": "assistant", "content": first.content},
+                           {"role": "user", "content": [result]}]  # fmt: skip
+        second = claude.messages.create(**kw, messages=turn)
+    assert second.stop_reason == "tool_use"
+    # What that turn rendered: the same messages in OpenAI's shape, with the toolu_ id.
+    messages: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": use.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(use.input)}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": "RESULT: sunny"},
+    ]  # fmt: skip
+    prompt = httpx.post(
+        f"{server.base_url}/apply-template", json={"messages": messages, "tools": TOOLS}
+    ).json()["prompt"]
+    if name == "kimi_k2":
+        assert use.id not in prompt
+        assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>" in prompt
+        assert "## Return of functions.get_weather:0\nRESULT: sunny" in prompt
+
+    rkw: dict[str, Any] = {
+        "model": "default",
+        "max_output_tokens": 200,
+        "temperature": 0,
+        "tools": [{"type": "function", **t["function"]} for t in TOOLS],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "store": False,
+    }
+    with _client(server) as client:
+        r = client.responses.create(**rkw, input=ASK[0]["content"])
+        (call,) = [i for i in r.output if i.type == "function_call"]
+        assert re.fullmatch(r"call_[0-9a-f]{24}", call.call_id), call.call_id
+        follow = client.responses.create(**rkw, input=[
+            {"role": "user", "content": ASK[0]["content"]},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "RESULT: sunny"},
+        ])  # fmt: skip
+    assert [i.type for i in follow.output] == ["function_call"]
+
+
+def test_parallel_forced_calls_end_at_the_cap_or_at_one(
+    family: tuple[str, ServerProcess],
+) -> None:
+    """Forced calls end within a bound a client can see: at most MAX_PARALLEL_CALLS (greedy
+    random weights in DeepSeek's format repeat calls until the grammar stops them, where they
+    used to run to max_tokens), and exactly one when parallel calls are turned off, on every
+    API family."""
+    name, server = family
+    with _client(server) as client:
+        r = client.chat.completions.create(**_forced(max_tokens=2000), temperature=0)
+        calls = r.choices[0].message.tool_calls or []
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert 1 <= len(calls) <= MAX_PARALLEL_CALLS
+        if name == "deepseek_v31":
+            assert len(calls) == MAX_PARALLEL_CALLS
+        one = client.chat.completions.create(
+            **_forced(max_tokens=2000), temperature=0, parallel_tool_calls=False
+        )
+        assert one.choices[0].finish_reason == "tool_calls"
+        assert len(one.choices[0].message.tool_calls or []) == 1
+        responses = client.responses.create(
+            model="default", input=ASK[0]["content"], max_output_tokens=2000, temperature=0,
+            tools=[{"type": "function", **t["function"]} for t in TOOLS],
+            tool_choice="required", parallel_tool_calls=False, store=False,
+        )  # fmt: skip
+    assert [i.type for i in responses.output] == ["function_call"]
+    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    with claude:
+        message = claude.messages.create(
+            model="default", max_tokens=2000, extra_body={"temperature": 0}, messages=ASK,
+            tools=[{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+                   for t in TOOLS],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        )  # fmt: skip
+    assert message.stop_reason == "tool_use"
+    assert [b.type for b in message.content] == ["tool_use"]
+
+
+def test_a_call_cut_by_max_tokens_shows_no_raw_format_text(
+    family: tuple[str, ServerProcess],
+) -> None:
+    """max_tokens ending a forced call inside its arguments: finish_reason length, none of the
+    format's markers as content, and (formats whose arguments are JSON text) the call as far
+    as it got, streamed and not alike."""
+    name, server = family
+    one = _forced({"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    with _client(server) as client:
+        full = client.chat.completions.create(**one, logprobs=True)
+        assert full.choices[0].message.tool_calls and full.choices[0].logprobs
+        whole_args = full.choices[0].message.tool_calls[0].function.arguments
+        # Cut just after the second argument's name is written: inside the arguments.
+        tokens = [bytes(t.bytes or []) for t in full.choices[0].logprobs.content or []]
+        n = next(i for i in range(1, len(tokens)) if b"days" in b"".join(tokens[:i]))
+        cut = {**one, "max_tokens": n}
+        r = client.chat.completions.create(**cut)
+        chunks = list(client.chat.completions.create(**cut, stream=True))
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_args = "".join(
+        (d.function and d.function.arguments) or ""
+        for c in chunks
+        if c.choices
+        for d in c.choices[0].delta.tool_calls or []
+    )
+    assert not streamed_text
+    calls = choice.message.tool_calls or []
+    if name in ("deepseek_v31", "kimi_k2"):
+        assert [c.function.name for c in calls] == ["get_weather"]
+        args = calls[0].function.arguments
+        assert whole_args.startswith(args) and args != whole_args
+        assert streamed_args == args
+    else:  # raw-text arguments: no JSON so far to show, and no markup either
+        assert not calls and not streamed_args

@@ -165,9 +165,12 @@ def test_documents_give_their_text_and_other_media_are_400() -> None:
     }
     with pytest.raises(InvalidRequest, match="document input is not supported"):
         convert(messages=[{"role": "user", "content": [pdf]}])
+    # An image in a tool result (an agent's screenshot) is a note the model reads, not a 400
+    # that would end the agent's session; nothing is fetched.
     nested = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
-    with pytest.raises(InvalidRequest, match="image input is not supported"):
-        convert(messages=[{"role": "user", "content": [nested]}])
+    (result,) = prompt(messages=[{"role": "user", "content": [nested]}]).messages
+    assert result["role"] == "tool"
+    assert result["content"] == "[image (url) not shown: tool results are read as text here]"
 
 
 def test_tool_choice_maps_to_forced_calls() -> None:

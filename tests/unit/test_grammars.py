@@ -353,3 +353,37 @@ def test_a_special_closing_token_still_keeps_its_text_out_of_the_value(
 
     assert accepts("a <b> c")
     assert not accepts("a</arg_value>b")  # the parser would end the value there
+
+
+def _calls(fmt: ToolFormat, n: int) -> str:
+    """``n`` calls in ``fmt``: get_weather, then ``now`` repeated."""
+    if fmt is ToolFormat.MISTRAL:
+        one = '{"name": "now", "arguments": {}}'
+        return "[TOOL_CALLS][" + ", ".join([one] * n) + "]"
+    if fmt is ToolFormat.PYTHONIC:
+        return "[" + ", ".join(["now()"] * n) + "]"
+    if fmt in TWO_CALLS:
+        first, second = TWO_CALLS[fmt]
+        return first + second * (n - 1)
+    first, second, end = TAGGED_CALLS[fmt]
+    return first + second * (n - 1) + end
+
+
+@pytest.mark.parametrize("fmt", [*TWO_CALLS, ToolFormat.MISTRAL, *TAGGED_CALLS])
+def test_parallel_forced_calls_are_capped(
+    fmt: ToolFormat, ll: LLTokenizer, smollm_tokenizer: Any
+) -> None:
+    """A forced answer holds at most MAX_PARALLEL_CALLS calls, so a model that repeats calls
+    ends there instead of at max_tokens."""
+    cap = grammars.MAX_PARALLEL_CALLS
+    assert _accepts(ll, smollm_tokenizer, _grammar(BOTH, fmt), _calls(fmt, cap))
+    assert not _accepts(ll, smollm_tokenizer, _grammar(BOTH, fmt), _calls(fmt, cap + 1))
+
+
+def test_parallel_generic_calls_are_capped(ll: LLTokenizer, smollm_tokenizer: Any) -> None:
+    g = grammars.generic_tool_grammar(TOOLS, ["now"], parallel=True, required=True)
+    one = '{"name": "now", "arguments": {}}'
+    cap = grammars.MAX_PARALLEL_CALLS
+    for n, ok in ((cap, True), (cap + 1, False)):
+        text = '{"tool_calls": [' + ", ".join([one] * n) + "]}"
+        assert _accepts(ll, smollm_tokenizer, g, text) is ok

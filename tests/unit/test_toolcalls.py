@@ -433,3 +433,86 @@ def test_generic_response_streams_while_it_is_decoded() -> None:
     assert parser.feed("lo \\") == [TextDelta("lo ")]  # the escape waits for its character
     assert parser.feed('n"}') == [TextDelta("\n")]
     assert parser.finish() == []
+
+
+G, D, K = ToolFormat.GENERIC, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
+KIMI = "<|tool_calls_section_begin|><|tool_call_begin|>functions."
+
+CUT: list[tuple[ToolFormat, str, list[Event]]] = [
+    # max_tokens inside the arguments: the call as far as it got, no raw wrapper as content
+    (
+        G,
+        '{"tool_call": {"name": "get_weather", "arguments": {"city": "Os',
+        [ToolCallStart(0, "call_0", "get_weather"), ToolCallArgs(0, '{"city": "Os')],
+    ),
+    # parallel: the whole calls, then the cut one
+    (
+        G,
+        '{"tool_calls": [{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {',
+        [
+            ToolCallStart(0, "call_0", "now"),
+            ToolCallArgs(0, "{}"),
+            ToolCallEnd(0),
+            ToolCallStart(1, "call_1", "get_weather"),
+            ToolCallArgs(1, "{"),
+        ],
+    ),
+    # cut before the name is whole: nothing to show, and no wrapper text either
+    (G, '{"tool_calls": [{"na', []),
+    (G, '{"tool_c', []),
+    # a reply cut by the budget is the reply so far
+    (G, '{"response": "Hello wor', [TextDelta("Hello wor")]),
+    (
+        H,
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os',
+        [
+            TextDelta("Sure."),
+            ToolCallStart(0, "call_0", "get_weather"),
+            ToolCallArgs(0, '{"city": "Os'),
+        ],
+    ),
+    (H, '<tool_call>\n{"name": "get_wea', []),
+    (
+        L,
+        '{"name": "get_weather", "parameters": {"city": "Os',
+        [ToolCallStart(0, "call_0", "get_weather"), ToolCallArgs(0, '{"city": "Os')],
+    ),
+    # bare JSON that never became a call stays content
+    (L, '{"nam', [TextDelta('{"nam')]),
+    (
+        K,
+        KIMI + "now:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_begin|>functions."
+        'get_weather:1<|tool_call_argument_begin|>{"city": "Os',
+        [
+            ToolCallStart(0, "call_0", "now"),
+            ToolCallArgs(0, "{}"),
+            ToolCallEnd(0),
+            ToolCallStart(1, "call_1", "get_weather"),
+            ToolCallArgs(1, '{"city": "Os'),
+        ],
+    ),
+    # raw-text arguments: the cut call is left out, and none of its markup is content
+    (
+        ToolFormat.QWEN3_CODER,
+        "Checking.<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "<parameter=days",
+        [TextDelta("Checking.")],
+    ),
+    # arguments whole, only the call's end marker cut: a whole call
+    (
+        D,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}",
+        [ToolCallStart(0, "call_0", "now"), ToolCallArgs(0, "{}"), ToolCallEnd(0)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "events"), CUT)
+def test_a_call_cut_by_the_budget_ends_as_a_partial_call(
+    fmt: ToolFormat, text: str, events: list[Event]
+) -> None:
+    for size in (1, 3, len(text)):
+        parser = make_parser(fmt, new_id=counter().__next__)
+        chunks = [text[i : i + size] for i in range(0, len(text), size)]
+        out = [ev for chunk in chunks for ev in parser.feed(chunk)] + parser.finish(cut=True)
+        assert merged(out) == events

@@ -7,7 +7,6 @@ come from the tools' schemas (as vLLM's qwen3_coder and glm45 parsers read them)
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from mlxcel.actors.toolcalls import (
     ToolFormat,
     detect,
 )
+from mlxcel.actors.toolcalls.sections import kimi_history_ids
 from tests.unit.test_toolcalls import assert_chunking_invariant, call, complete
 
 Q, Z, D, K = ToolFormat.QWEN3_CODER, ToolFormat.GLM45, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
@@ -59,10 +59,6 @@ TOOLS: list[dict[str, object]] = [
     },
 ]
 CODE = "def f():\n    return {'a': '</tool_call>'}  # <parameter=x>\n"
-
-
-def kcall(i: int, name: str, args: dict[str, object], call_id: str) -> ToolCall:
-    return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False))
 
 
 VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
@@ -169,7 +165,8 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         None,
         [call(0, "now", {})],
     ),
-    # Kimi K2: the model's own ids are the call ids
+    # Kimi K2: the calls get the API's ids, not the model's functions.NAME:IDX (the prompt
+    # restores those; see test_kimi_history_ids)
     (
         K,
         "I'll check.<|tool_calls_section_begin|>\n<|tool_call_begin|>functions.get_weather:0"
@@ -178,8 +175,8 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         "<|tool_call_end|>\n<|tool_calls_section_end|>",
         "I'll check.",
         [
-            kcall(0, "get_weather", {"city": "Paris"}, "functions.get_weather:0"),
-            kcall(1, "math.sqrt", {"x": 2}, "functions.math.sqrt:1"),
+            call(0, "get_weather", {"city": "Paris"}),
+            call(1, "math.sqrt", {"x": 2}),
         ],
     ),
     # the singular section spelling Kimi K2 sometimes writes
@@ -188,7 +185,7 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         "<|tool_call_section_begin|><|tool_call_begin|>functions.now:3"
         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_section_end|>",
         None,
-        [kcall(0, "now", {}, "functions.now:3")],
+        [call(0, "now", {})],
     ),
 ]
 
@@ -291,3 +288,36 @@ KIMI_K2_TEMPLATE = (
 )
 def test_detect(template: str | None, vocab: dict[str, int] | None, expected: Any) -> None:
     assert detect(template, vocab) is expected
+
+
+def test_kimi_history_ids_count_calls_across_the_conversation() -> None:
+    """Whatever ids the client kept, Kimi's template reads functions.NAME:IDX with IDX counting
+    calls over the whole conversation, and each result points at its call."""
+
+    def calls(*pairs: tuple[str, str]) -> dict[str, Any]:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": n, "arguments": "{}"}}
+            for i, n in pairs]}  # fmt: skip
+
+    messages = [
+        {"role": "user", "content": "Weather in Oslo and Paris?"},
+        calls(("toolu_a", "get_weather"), ("toolu_b", "get_weather")),
+        {"role": "tool", "tool_call_id": "toolu_b", "content": "Paris: rain"},
+        {"role": "tool", "tool_call_id": "toolu_a", "content": "Oslo: sun"},
+        calls(("call_c", "now")),
+        {"role": "tool", "tool_call_id": "call_c", "content": "noon"},
+        {"role": "tool", "tool_call_id": "call_unknown", "content": "kept as sent"},
+    ]
+    out = kimi_history_ids(messages)
+    assert [c["id"] for c in out[1]["tool_calls"]] == [
+        "functions.get_weather:0",
+        "functions.get_weather:1",
+    ]
+    assert [m.get("tool_call_id") for m in out[2:4]] == [
+        "functions.get_weather:1",
+        "functions.get_weather:0",
+    ]
+    assert out[4]["tool_calls"][0]["id"] == "functions.now:2"
+    assert out[5]["tool_call_id"] == "functions.now:2"
+    assert out[6]["tool_call_id"] == "call_unknown"
+    assert messages[1]["tool_calls"][0]["id"] == "toolu_a"  # the request is not changed

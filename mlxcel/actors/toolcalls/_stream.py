@@ -40,16 +40,10 @@ class More:
 
 @attrs.frozen
 class Done:
-    """The first ``end`` characters of the region are these calls: (name, arguments JSON).
-
-    ``ids`` are the calls' own ids when the format writes them (Kimi K2's
-    ``functions.NAME:IDX``, which its template renders back verbatim on the next turn, so the
-    id we hand out must be the one the model wrote); None draws fresh ones.
-    """
+    """The first ``end`` characters of the region are these calls: (name, arguments JSON)."""
 
     end: int
     calls: list[tuple[str, str]]
-    ids: list[str] | None = None
 
 
 @attrs.frozen
@@ -60,6 +54,16 @@ class Bail:
 
 
 Scan = More | Done | Bail
+
+
+@attrs.frozen
+class Cut:
+    """The token budget ended a region: ``calls`` were whole before the cut, then ``partial``
+    is the call being written, (name, arguments text so far), if its name was whole."""
+
+    calls: list[tuple[str, str]]
+    partial: tuple[str, str] | None
+
 
 _CLOSERS = {"{": "}", "[": "]", "(": ")"}
 
@@ -159,6 +163,25 @@ def call_from_json(obj: object) -> tuple[str, str] | None:
     return None if dumped is None else (name, dumped)
 
 
+# A JSON call object as the grammars write it: the name first, then the arguments.
+_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+def cut_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments so far) of a JSON call object cut off inside its arguments; None when
+    the cut came before the name was whole (there is no call to show then)."""
+    m = _CALL_HEAD.match(text)
+    if m is None:
+        return None
+    try:
+        name = json.loads('"' + m.group(1) + '"')
+    except ValueError:
+        return None
+    return name, text[m.end() :]
+
+
 def held_prefix(buf: str, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of ``buf`` that is a proper prefix of some marker."""
     best = 0
@@ -190,6 +213,8 @@ class StreamParser(abc.ABC):
         self._between_calls = False  # only separators since the last call
         self._index = 0
         self._finished = False
+        self._cut = False  # finishing because the token budget ran out
+        self._marker = ""  # the marker that opened the current region ("" for a bare start)
 
     def feed(self, text: str) -> list[Event]:
         out: list[Event] = []
@@ -197,12 +222,25 @@ class StreamParser(abc.ABC):
         self._run(out, final=False)
         return out
 
-    def finish(self) -> list[Event]:
-        """Decide everything still held: unfinished regions become content."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """Decide everything still held: unfinished regions become content, except with ``cut``
+        (the token budget ended the output): a call being written is emitted as far as it got
+        (start and arguments so far, no end), as OpenAI returns a call the length cut, and a
+        region that opened with a marker is dropped rather than shown as text."""
         out: list[Event] = []
         if self._finished:
             return out
         self._finished = True
+        if cut and self._in_region and (part := self._partial(self._buf)) is not None:
+            self._emit(part.calls, out)
+            if part.partial is not None:
+                i, (name, args) = self._index, part.partial
+                self._index += 1
+                out += [ToolCallStart(i, self._new_id(), name)]
+                out += [ToolCallArgs(i, args)] if args else []
+            self._buf, self._pending = "", ""
+            return out
+        self._cut = cut
         self._run(out, final=True)
         if self._pending and not (self._index and self._between_calls):
             out.append(TextDelta(self._pending))
@@ -219,7 +257,21 @@ class StreamParser(abc.ABC):
     def _scan(self, buf: str, final: bool) -> Scan:
         """Decide the region at the start of ``buf``; with ``final`` never return More."""
 
+    def _partial(self, buf: str) -> Cut | None:
+        """The region at the start of ``buf`` as the budget left it, if a call was being
+        written; formats whose arguments are not JSON text keep this default."""
+        return None
+
     # --- machinery ---------------------------------------------------------------------------
+
+    def _emit(self, calls: list[tuple[str, str]], out: list[Event]) -> None:
+        self._pending = ""
+        self._between_calls = True
+        for name, args in calls:
+            i = self._index
+            self._index += 1
+            out += [ToolCallStart(i, self._new_id(), name)]
+            out += [ToolCallArgs(i, args), ToolCallEnd(i)]
 
     def _run(self, out: list[Event], final: bool) -> None:
         while self._buf:
@@ -228,16 +280,14 @@ class StreamParser(abc.ABC):
                 match res:
                     case More():
                         return
-                    case Done(end, calls, ids):
-                        self._pending = ""
-                        self._between_calls = True
-                        for k, (name, args) in enumerate(calls):
-                            i = self._index
-                            self._index += 1
-                            call_id = ids[k] if ids is not None else self._new_id()
-                            out += [ToolCallStart(i, call_id, name)]
-                            out += [ToolCallArgs(i, args), ToolCallEnd(i)]
+                    case Done(end, calls):
+                        self._emit(calls, out)
                     case Bail(end):
+                        if final and self._cut and self._marker:
+                            # The budget ended a call inside this format's markup: none of
+                            # what is left is the answer.
+                            self._buf, self._in_region = "", False
+                            return
                         self._text(self._buf[:end], out)
                 self._buf = self._buf[end:]
                 self._in_region = False
@@ -252,6 +302,7 @@ class StreamParser(abc.ABC):
             self._text(self._buf[:pos], out)
             self._buf = self._buf[pos:]
             self._in_region = True
+            self._marker = marker
             self._begin(marker)
 
     def _find_start(self, buf: str) -> tuple[int, str] | None:

@@ -76,8 +76,9 @@ class Parser(Protocol):
 
     def feed(self, text: str) -> list[Event]: ...
 
-    def finish(self) -> list[Event]:
-        """Decide everything still held back."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """Decide everything still held back; ``cut``: the token budget ended the output, so a
+        call being written ends as a start and its arguments so far, with no end event."""
         ...
 
 

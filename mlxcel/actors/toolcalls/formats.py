@@ -11,11 +11,13 @@ from mlxcel.actors.toolcalls._stream import (
     WS,
     Bail,
     Balancer,
+    Cut,
     Done,
     More,
     Scan,
     StreamParser,
     call_from_json,
+    cut_call,
     dumps_args,
     loads,
 )
@@ -45,6 +47,18 @@ def _json_calls(values: list[str], *, need_args: bool = False) -> list[tuple[str
                 return None
             calls.append(call)
     return calls or None
+
+
+def _cut_json(buf: str, bal: Balancer | None, vstart: int, whole: list[str]) -> Cut | None:
+    """A region cut inside its JSON call object (``bal`` still open at ``vstart``), after the
+    ``whole`` objects before it."""
+    if bal is None:
+        return None
+    part = cut_call(buf[vstart:])
+    calls = _json_calls(whole) if whole else []
+    if calls is None or not (part or calls):
+        return None
+    return Cut(calls, part)
 
 
 class HermesParser(StreamParser):
@@ -89,6 +103,9 @@ class HermesParser(StreamParser):
         calls = _json_calls(self._values)
         return Bail(end) if calls is None else Done(end, calls)
 
+    def _partial(self, buf: str) -> Cut | None:
+        return _cut_json(buf, self._bal, self._vstart, self._values)
+
 
 class Llama3JsonParser(StreamParser):
     """``<|python_tag|>{"name": ..., "parameters": {...}}``, or the same JSON bare at the start
@@ -126,6 +143,9 @@ class Llama3JsonParser(StreamParser):
         # "name" field is content, not a call.
         calls = _json_calls([buf[self._vstart : end]], need_args=self._bare)
         return Bail(end) if calls is None else Done(end, calls)
+
+    def _partial(self, buf: str) -> Cut | None:
+        return _cut_json(buf, self._bal, self._vstart, [])
 
 
 _MISTRAL_NAME = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxcel.actors.toolcalls._stream import Balancer, call_from_json, loads
+from mlxcel.actors.toolcalls._stream import WS, Balancer, call_from_json, cut_call, loads
 from mlxcel.actors.toolcalls.events import (
     Event,
     IdFactory,
@@ -145,7 +145,12 @@ class GenericParser:
         self._buf += text
         return self._run(final=False)
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        if cut and self._mode in ("", "calls") and self._buf.lstrip().startswith("{"):
+            # The budget ended the object: the calls so far, not the wrapper as text.
+            out = self._cut() if self._mode == "calls" else []
+            self._buf, self._mode = "", "done"
+            return out
         out = self._run(final=True)
         match self._mode:
             case "" | "calls" | "value":
@@ -249,6 +254,42 @@ class GenericParser:
             return self._run(final=False)
         self._buf, self._mode = "", "done"
         return events
+
+    def _cut(self) -> list[Event]:
+        """Whole calls of a cut object, then the call being written (see StreamParser.finish)."""
+        m = _HEAD.match(self._buf)
+        assert m is not None
+        buf, pos = self._buf, m.end()
+        listed = m.group(1) == "tool_calls"
+        if listed:
+            if not buf.startswith("[", pos):
+                return []
+            pos += 1
+        events: list[Event] = []
+        index = 0
+        while True:
+            while pos < len(buf) and buf[pos] in WS + ",":
+                pos += 1
+            if not buf.startswith("{", pos):
+                return events
+            end = Balancer(pos).advance(buf)
+            if end is None:
+                part = cut_call(buf[pos:])
+                if part is not None:
+                    events += [ToolCallStart(index, self._new_id(), part[0])]
+                    events += [ToolCallArgs(index, part[1])] if part[1] else []
+                return events
+            try:
+                call = call_from_json(loads(buf[pos:end])) if end > 0 else None
+            except (ValueError, RecursionError):
+                call = None
+            if call is None:
+                return events
+            events += [ToolCallStart(index, self._new_id(), call[0])]
+            events += [ToolCallArgs(index, call[1]), ToolCallEnd(index)]
+            index, pos = index + 1, end
+            if not listed:
+                return events
 
     def _decode(self, obj: object) -> list[Event] | None:
         if not isinstance(obj, dict):

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import abc
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mlxcel.actors.toolcalls._stream import (
     Bail,
     Balancer,
+    Cut,
     Done,
     More,
     Scan,
@@ -34,15 +37,14 @@ class _Section(StreamParser):
     def _begin(self, marker: str) -> None:
         self._pos = len(marker)
         self._calls: list[tuple[str, str]] = []
-        self._ids: list[str] = []
-        self._head: tuple[str, str | None] | None = None  # (name, id) of the call being read
+        self._head: str | None = None  # the name of the call being read
         self._bal: Balancer | None = None
         self._vstart = 0
         self._args: str | None = None  # the current call's arguments, once read
 
     @abc.abstractmethod
-    def _read_head(self, head: str) -> tuple[str, str | None] | None:
-        """(name, the model's own call id or None) from the text before HEAD_END."""
+    def _read_head(self, head: str) -> str | None:
+        """The call's name from the text before HEAD_END."""
 
     @classmethod
     def tokens(cls) -> tuple[str, ...]:
@@ -73,9 +75,7 @@ class _Section(StreamParser):
                 if close < 0:
                     return Bail(j)
                 assert self._head is not None
-                name, call_id = self._head
-                self._calls.append((name, self._args))
-                self._ids.append(call_id or "")
+                self._calls.append((self._head, self._args))
                 self._args, self._head, self._pos = None, None, close
                 continue
             j = _skip(buf, self._pos)
@@ -110,10 +110,16 @@ class _Section(StreamParser):
                 return Bail(j)
             self._vstart, self._bal = j, Balancer(j)
 
+    def _partial(self, buf: str) -> Cut | None:
+        if self._head is None:
+            return Cut(self._calls, None)
+        if self._args is not None:  # the arguments are whole; only the call's end was cut
+            return Cut([*self._calls, (self._head, self._args)], None)
+        args = buf[self._vstart :] if self._bal is not None else ""
+        return Cut(self._calls, (self._head, args))
+
     def _done(self, end: int) -> Scan:
-        # The model's ids only when it wrote one for every call, none twice.
-        unique = all(self._ids) and len(set(self._ids)) == len(self._ids)
-        return Done(end, self._calls, self._ids if unique else None)
+        return Done(end, self._calls)
 
 
 _NAME = re.compile(r"\s*([^\s<>{}]{1,200})\s*")
@@ -129,9 +135,9 @@ class DeepSeekV31Parser(_Section):
     CALL_END = "<｜tool▁call▁end｜>"
     SECTION_ENDS = ("<｜tool▁calls▁end｜>",)
 
-    def _read_head(self, head: str) -> tuple[str, str | None] | None:
+    def _read_head(self, head: str) -> str | None:
         m = _NAME.fullmatch(head)
-        return None if m is None else (m.group(1), None)
+        return None if m is None else m.group(1)
 
 
 # Kimi K2 ids are "functions.NAME:IDX" (IDX counts calls across the conversation).
@@ -142,9 +148,9 @@ class KimiK2Parser(_Section):
     """``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
     <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``.
 
-    The call's id is the model's own ``functions.NAME:IDX``: Kimi's template writes an earlier
-    call back as its id (and a tool result as ``## Return of ID``), so the id we return is what
-    the model must read on the next turn, as vLLM's kimi_k2 parser does."""
+    Calls get ids of the API family (``call_...``, ``toolu_...``), not the model's own
+    ``functions.NAME:IDX``: ids must look like the family's and come back from the client as it
+    keeps them, so the prompt is where Kimi's spelling is restored (``kimi_history_ids``)."""
 
     # vLLM also accepts the singular spelling, which Kimi K2 writes at times.
     markers = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
@@ -153,6 +159,34 @@ class KimiK2Parser(_Section):
     CALL_END = "<|tool_call_end|>"
     SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
 
-    def _read_head(self, head: str) -> tuple[str, str | None] | None:
+    def _read_head(self, head: str) -> str | None:
         m = _KIMI_ID.fullmatch(head)
-        return None if m is None else (m.group(2), m.group(1))
+        return None if m is None else m.group(2)
+
+
+def kimi_history_ids(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with Kimi's own call ids: each earlier call becomes ``functions.NAME:IDX``
+    (IDX counting calls across the conversation, as the model numbers them) and each tool
+    result points at its call's new id. Clients keep the ids we gave them (``call_...``,
+    ``toolu_...``); Kimi's template writes ids verbatim, and the model reads this syntax."""
+    ids: dict[str, str] = {}
+    count = 0
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        calls = msg.get("tool_calls")
+        if msg.get("role") == "assistant" and isinstance(calls, list):
+            renamed = []
+            for call in calls:
+                fn = call.get("function") if isinstance(call, Mapping) else None
+                if isinstance(fn, Mapping):
+                    kimi = f"functions.{fn.get('name')}:{count}"
+                    count += 1
+                    ids[str(call.get("id"))] = kimi
+                    call = {**call, "id": kimi}
+                renamed.append(call)
+            out.append({**msg, "tool_calls": renamed})
+        elif msg.get("role") == "tool" and str(msg.get("tool_call_id")) in ids:
+            out.append({**msg, "tool_call_id": ids[str(msg.get("tool_call_id"))]})
+        else:
+            out.append(dict(msg))
+    return out
