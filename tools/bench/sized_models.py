@@ -3,6 +3,7 @@
 that llama.cpp and mlxcel both read (issue 37).
 
     .venv/bin/python tools/bench/sized_models.py 1b [--quant Q4_0]   # build (once); print path
+    .venv/bin/python tools/bench/sized_models.py 1b --mlx 4          # an MLX folder (4-bit, g64)
     .venv/bin/python tools/bench/sized_models.py --list
 
 Throughput does not depend on the weights' values, so a checkpoint with random weights in the
@@ -229,10 +230,53 @@ def build(size: str, quant: str) -> Path:
     return out
 
 
+def mlx_folder(size: str, bits: int) -> Path:
+    """The cached MLX-format folder of ``size`` as mlx-lm's converter quantises hub models
+    (``bits`` 4 or 8, group size 64, its default), made now if missing: what ``-m FOLDER``
+    users bring. Made from the Q8_0 file: mlxcel's conversion of it (an MLX folder, 8-bit
+    groups of 32), dequantised to bfloat16 and quantised again, both by ``mlx_lm.convert``.
+    Random weights, so the rounding on the way changes no figure."""
+    if bits not in (4, 8):
+        raise ValueError("bits must be 4 or 8")
+    out = cache_dir() / f"random-{SHAPES[size].label.lower()}-mlx-{bits}bit"
+    if (out / "config.json").is_file():
+        return out
+    import tempfile
+
+    from mlxcel.models.resolve import resolve_model  # first: it sets mlx up for the CPU
+
+    from mlx_lm import convert  # isort: skip
+
+    converted = resolve_model(str(build(size, "Q8_0"))).path
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        f16 = Path(tmp) / "f16"
+        log(f"dequantising {converted} to bfloat16")
+        # bfloat16, as Llama 3.2's published weights: the hub's MLX copies of it keep
+        # bfloat16 scales and biases, and so does this one.
+        convert(str(converted), str(f16), dequantize=True, dtype="bfloat16")
+        staged = Path(tmp) / "out"
+        log(f"quantising to {bits} bits, group size 64")
+        convert(
+            str(f16), str(staged), quantize=True, q_bits=bits, q_group_size=64, dtype="bfloat16"
+        )
+        staged.rename(out)
+    log(f"{out} in {time.monotonic() - t0:.0f}s")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("size", nargs="?", choices=sorted(SHAPES))
     ap.add_argument("--quant", default="Q4_0", choices=QUANTS)
+    ap.add_argument(
+        "--mlx",
+        type=int,
+        choices=(4, 8),
+        default=None,
+        metavar="BITS",
+        help="build (once) and print an MLX-format folder instead: BITS 4 or 8, group size 64",
+    )
     ap.add_argument("--list", action="store_true", help="the shapes and their parameter counts")
     a = ap.parse_args()
     if a.list or a.size is None:
@@ -243,7 +287,7 @@ def main() -> int:
                 f"ffn {s.ffn}, vocab {s.vocab}, {'tied' if s.tied else 'untied'} embeddings"
             )
         return 0
-    print(build(a.size, a.quant))
+    print(mlx_folder(a.size, a.mlx) if a.mlx else build(a.size, a.quant))
     return 0
 
 
