@@ -239,6 +239,25 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
       {x, as_stored(w, stream)});
 }
 
+mx::array q6k_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) bad("x must be float32");
+  if (x.ndim() < 1) bad("x must have at least one dimension");
+  const int K = x.shape(-1);
+  if (K % 256 != 0) bad("x must have a multiple of 256 inputs (Q6_K blocks)");
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || long(w.shape(1)) != long(K) / 256 * kQ6kBlockBytes) {
+    std::ostringstream msg;
+    msg << "w must be uint8 [N, " << long(K) / 256 * kQ6kBlockBytes << "] (Q6_K blocks of " << K
+        << " inputs)";
+    bad(msg.str());
+  }
+  auto stream = mx::to_stream(s);
+  return mx::array(
+      out_shape(x, w.shape(0)),
+      mx::float32,
+      std::make_shared<Q6kMatmul>(stream),
+      {x, as_stored(w, stream)});
+}
+
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
@@ -351,6 +370,40 @@ void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     run_matmul(args, avx, false, avx512_tile_cols, bf16mm_generic, bf16mm_rows_avx512,
                [&](const Bf16Args& a) { tiled(a, avx512_tile_cols, bf16mm_avx512); });
   });
+}
+
+void Q6kMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  auto& encoder = begin_eval(inputs, out, stream());
+  const int K = x.shape(-1);
+  Q6kArgs args{
+      dense_rows(x, stream()),
+      w.data<uint8_t>(),
+      K == 0 ? 0 : int(x.size() / K),
+      int(w.shape(0)),
+      K,
+      out.data<float>()};
+  const auto tiled = [](const Q6kArgs& a, int (*cols)(int),
+                        void (*tile)(const Q6kArgs&, int, int)) {
+    run_columns(a.M, a.N, a.K, cols(a.M), [&](int n0, int n1) { tile(a, n0, n1); });
+  };
+  const Isa isa = active_isa();
+  if (isa == Isa::avx2) {
+    encoder.dispatch([args, tiled]() {
+      run_matmul(args, true, false, avx2_tile_cols, q6k_generic, q6k_rows_avx2,
+                 [&](const Q6kArgs& a) { tiled(a, avx2_tile_cols, q6k_avx2); });
+    });
+    return;
+  }
+  encoder.dispatch([args, tiled, avx = isa == Isa::avx512]() {
+    run_matmul(args, avx, false, avx512_tile_cols, q6k_generic, q6k_rows_avx512,
+               [&](const Q6kArgs& a) { tiled(a, avx512_tile_cols, q6k_avx512); });
+  });
+}
+
+void Q6kMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mlxcel native q6k_matmul runs on the CPU device only");
 }
 
 void Bf16Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
