@@ -9,17 +9,27 @@ test_native_kernels.py (a misread code, scale or block moves it by orders of mag
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from mlxcel.models.mlx_setup import mx
-from mlxcel.native import available, q6k, q6k_matmul, reason
+from mlxcel.native import available, q6k, q6k_matmul, reason, set_int8_activations
 from mlxcel.native.layers import NativeQ6kEmbedding, NativeQ6kLinear
 from tests.unit.test_native_kernels import _check as check_float32
+from tests.unit.test_native_kernels import _check_int8 as check_int8
+from tests.unit.test_native_kernels import needs_vnni
 
 needs_ext = pytest.mark.skipif(not available(), reason=f"native kernels unavailable: {reason()}")
+
+
+@pytest.fixture(autouse=True)
+def _float_kernels() -> Iterator[None]:
+    set_int8_activations("off")  # float32 unless a test asks for int8
+    yield
+    set_int8_activations(None)  # the process default
 
 
 def _blocks(n: int, k: int, seed: int = 0) -> tuple[mx.array, np.ndarray]:
@@ -121,3 +131,31 @@ def test_layers() -> None:
     ids = mx.array([[7, 47, 0]])
     assert np.array_equal(np.array(table(ids)), dense[np.array(ids)])
     _check(table.as_linear(x), x, dense)
+
+
+@needs_vnni
+@pytest.mark.parametrize(("n", "k"), [(37, 512), (200, 1280), (8, 256)])
+def test_int8_activations_within_the_rounding_bound(n: int, k: int) -> None:
+    blocks, dense = _blocks(n, k)
+    set_int8_activations("many-rows")
+    for rows in (12, 16, 40, 300):  # one row tile, ragged ones, several
+        x = mx.random.normal((rows, k)) * mx.random.uniform(0.1, 10.0, (rows, 1))
+        check_int8(q6k_matmul(x, blocks), x, mx.array(dense))
+    x = mx.random.normal((3, k))  # fewer than 12 rows: float32
+    _check(q6k_matmul(x, blocks), x, dense)
+    set_int8_activations("every-row")
+    check_int8(q6k_matmul(x, blocks), x, mx.array(dense))
+
+
+@needs_vnni
+def test_int8_row_gets_the_same_bits_at_any_row_count() -> None:
+    # --batch-invariant runs with int8 at every row count: a row's result must not depend on
+    # the rows beside it (tied output heads are not checked by its layer probe).
+    blocks, _ = _blocks(300, 512)
+    x = mx.random.normal((48, 512))
+    set_int8_activations("every-row")
+    full = q6k_matmul(x, blocks)
+    for rows in (1, 2, 5, 11, 12, 13, 16, 17, 33):
+        for start in (0, 3, 48 - rows):
+            part = q6k_matmul(x[start : start + rows], blocks)
+            assert mx.array_equal(part, full[start : start + rows]).item(), (rows, start)

@@ -109,6 +109,10 @@ constexpr int kVnniCols = 8;
 // each row the bits qmm_rows_vnni gives it.
 void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1);
 constexpr int kVnniColsSmall = 16;
+// Q6_K weights (Q6kArgs) against xr as qmm_quantize_rows_int8 left it at group_size 32 (xq,
+// no nibble order), at any row count (lanes are 16 rows); ranges cut at multiples of
+// kVnniCols. A row's result depends only on that row.
+void q6k_rows_vnni(const Q6kArgs& a, const Int8Rows& xr, int n0, int n1);
 
 // ---- attention (attention_avx512.cpp, attention_avx2.cpp) ----------------------------------
 // out[b, h, i] = softmax(scale * q[b, h, i] k^T [+ mask]) v over the keys query i may see, for

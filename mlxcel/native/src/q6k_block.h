@@ -18,8 +18,10 @@
 namespace mlxcel_native {
 namespace {
 
-// The block at `b` -> q[256] (code - 32, int8, in weight order) and s[16] (d * scale, float32:
-// the product gguf-py's and llama.cpp's dequantisation form first).
+// The block at `b` -> q[256] (code - 32 as int8, in weight order; with kCentred false the
+// 6-bit code itself, 0..63) and s[16] (d * scale, float32: the product gguf-py's and
+// llama.cpp's dequantisation form first).
+template <bool kCentred = true>
 inline void q6k_decode(const uint8_t* b, int8_t* q, float* s) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   const __m256i bits45 = _mm256_set1_epi8(0x30);
@@ -42,7 +44,7 @@ inline void q6k_decode(const uint8_t* b, int8_t* q, float* s) {
     };
     for (int j = 0; j < 4; ++j)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * h + 32 * j),
-                          _mm256_sub_epi8(v[j], bias));
+                          kCentred ? _mm256_sub_epi8(v[j], bias) : v[j]);
   }
   const __m256 d = _mm256_set1_ps(_cvtsh_ss(uint16_t(b[208] | (b[209] << 8))));
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
