@@ -408,26 +408,31 @@ void q6k_vnni_tile(const Q6kArgs& a, const Int8Rows& xr, int m0, const uint8_t* 
   for (long blk = 0; blk < K / 32; ++blk) {
     const __m512 dv = _mm512_loadu_ps(xr.d + d_at(K, blk, m0));
     for (int h = 0; h < 2; ++h) {
-      __m512i ia[NC];
-#pragma GCC unroll 16
-      for (int c = 0; c < NC; ++c) ia[c] = _mm512_setzero_si512();
+      // The sub-block's 16 activations, and -32 x their sum as every column's starting point.
+      __m512i xv[4];
       __m512i xs = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
+        xv[u] = _mm512_loadu_si512(xr.xq + xq_at(K, blk * 8 + h * 4 + u, m0));
+        xs = _mm512_dpbusd_epi32(xs, ones, xv[u]);
+      }
+      const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(xs, 5));
+      __m512i ia[NC];
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c) ia[c] = start;
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
         const long kq = blk * 8 + h * 4 + u;  // which 4 inputs
-        const __m512i xv = _mm512_loadu_si512(xr.xq + xq_at(K, kq, m0));
-        xs = _mm512_dpbusd_epi32(xs, ones, xv);
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c)
           ia[c] = _mm512_dpbusd_epi32(ia[c], _mm512_set1_epi32(load_u32(wb + long(c) * K + kq * 4)),
-                                      xv);
+                                      xv[u]);
       }
-      const __m512i offset = _mm512_slli_epi32(xs, 5);
       const long j = blk * 2 + h;  // the sub-block
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) {
         const __m512 sd = _mm512_mul_ps(dv, _mm512_set1_ps(sb[long(c) * (K / 16) + j]));
-        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia[c], offset)), sd, acc[c]);
+        acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[c]), sd, acc[c]);
       }
     }
   }

@@ -23,6 +23,33 @@ namespace {
 // llama.cpp's dequantisation form first).
 template <bool kCentred = true>
 inline void q6k_decode(const uint8_t* b, int8_t* q, float* s) {
+  const uint16_t d_bits = uint16_t(b[208] | (b[209] << 8));
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+#if defined(__AVX512BW__)
+  // The AVX-512 translation units: a half's 64 ql bytes in one register, its 32 qh bytes
+  // twice (as is for quarters 0 and 2, shifted right by 2 for quarters 1 and 3), so each half
+  // is two 64-byte results: weights 0-63 and 64-127.
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i bits45 = _mm512_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i l = _mm512_loadu_si512(b + 64 * h);
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m512i hb2 =
+        _mm512_inserti64x4(_mm512_castsi256_si512(hb), _mm256_srli_epi16(hb, 2), 1);
+    __m512i lo = _mm512_or_si512(_mm512_and_si512(l, low4),
+                                 _mm512_and_si512(_mm512_slli_epi16(hb2, 4), bits45));
+    __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low4),
+                                 _mm512_and_si512(hb2, bits45));
+    if (kCentred) {
+      lo = _mm512_sub_epi8(lo, _mm512_set1_epi8(32));
+      hi = _mm512_sub_epi8(hi, _mm512_set1_epi8(32));
+    }
+    _mm512_storeu_si512(q + 128 * h, lo);
+    _mm512_storeu_si512(q + 128 * h + 64, hi);
+  }
+  _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(d_bits)),
+                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+#else
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   const __m256i bits45 = _mm256_set1_epi8(0x30);
   const __m256i bias = _mm256_set1_epi8(32);
@@ -46,11 +73,11 @@ inline void q6k_decode(const uint8_t* b, int8_t* q, float* s) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 128 * h + 32 * j),
                           kCentred ? _mm256_sub_epi8(v[j], bias) : v[j]);
   }
-  const __m256 d = _mm256_set1_ps(_cvtsh_ss(uint16_t(b[208] | (b[209] << 8))));
-  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(d_bits));
   _mm256_storeu_ps(s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
   _mm256_storeu_ps(
       s + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#endif
 }
 
 }  // namespace
