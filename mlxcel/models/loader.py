@@ -24,7 +24,15 @@ from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
-from mlxcel.models import device, fast_lm, gemma2_layers, longrope, mlx_lm_compat, vlm
+from mlxcel.models import (
+    device,
+    fast_lm,
+    gemma2_layers,
+    gguf_blocks,
+    longrope,
+    mlx_lm_compat,
+    vlm,
+)
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 from mlxcel.models.resolve import ResolvedModel
@@ -102,6 +110,9 @@ def load_model(
     weights as stored, when they are built and ``native`` (``MLXCEL_NATIVE=0`` turns them off
     too); other quantised layers are dequantised to float32.
 
+    A converted GGUF's Q6_K matrices run on the native kernels as the file stores them
+    (``gguf_blocks``); elsewhere their 8-bit copy is loaded like any other quantised layer.
+
     ``ctx_size`` is the context per sequence it will serve (0: the model's own); a LongRoPE
     model's factors are chosen for it, as llama.cpp chooses them (``models.longrope``).
 
@@ -137,7 +148,10 @@ def load_model(
     kept: set[str] = set()
     if not keep_quantized and cpu:
         if native and native_enabled():
-            on_native = native_layers.install(model)
+            # A GGUF's Q6_K matrices as the file stores them (before anything is evaluated:
+            # their 8-bit copy is then never read).
+            on_native = gguf_blocks.install(model, resolved.path)
+            on_native += native_layers.install(model)
             if not chosen:
                 # A bfloat16 checkpoint's projections stay bfloat16 (half float32's bytes per
                 # token); asking for a dtype gets that dtype everywhere.
@@ -183,11 +197,21 @@ def _loaded(
         chat_template=_chat_template(tokenizer),
         context_length=_context_length(config, tokenizer),
         vocab_size=int(_config_value(config, "vocab_size") or len(tokenizer)),
-        n_params=int(get_total_parameters(counted)),
+        n_params=int(get_total_parameters(counted)) + _block_weights(counted),
         dtype=dtype,
         quantized=_is_quantized(counted),
         config=config,
         **extra,
+    )
+
+
+def _block_weights(model: Module) -> int:
+    """What mlx-lm's parameter count misses for layers held as Q6_K blocks (it counts their
+    bytes, not their weights)."""
+    return sum(
+        m.input_dims * m.output_dims - int(m["weight"].size)
+        for _, m in model.named_modules()
+        if isinstance(m, native_layers.Q6K_LAYERS)
     )
 
 

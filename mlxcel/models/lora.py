@@ -31,6 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxcel.models.errors import AdapterError
+from mlxcel.native.layers import NativeQ6kLinear
 
 # What marks a prompt-cache key whose KV was computed under adapters.
 LORA_TAG = "\x00lora:"
@@ -142,6 +143,8 @@ class MultiLoraLinear(nn.Module):
 def _dtype(linear: nn.Module) -> Any:
     if isinstance(linear, nn.QuantizedLinear):
         return linear.scales.dtype
+    if isinstance(linear, NativeQ6kLinear):
+        return mx.float32  # what its matmul gives
     return linear.weight.dtype
 
 
@@ -150,6 +153,8 @@ def _dims(linear: nn.Module) -> tuple[int, int] | None:
     if isinstance(linear, nn.QuantizedLinear):
         out, packed = linear.weight.shape
         return packed * 32 // linear.bits, out
+    if isinstance(linear, NativeQ6kLinear):
+        return linear.input_dims, linear.output_dims
     if isinstance(linear, nn.Linear):
         out, inp = linear.weight.shape
         return inp, out

@@ -37,7 +37,8 @@ __all__ = ["CONVERTER_VERSION", "ResolvedModel", "default_cache_dir", "resolve_m
 log = logging.getLogger(__name__)
 
 # Bump when convert_gguf's output changes, so stale cache entries are redone.
-CONVERTER_VERSION = 4  # 3: K-quants kept, issue 38 architectures; 4: ChatML by default
+# 3: K-quants kept, issue 38 architectures; 4: ChatML by default; 5: Q6_K blocks as stored too
+CONVERTER_VERSION = 5
 _STALE_TMP_S = 24 * 3600
 
 Source = Literal["default", "folder", "gguf", "hub"]

@@ -12,15 +12,18 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.native import bf16_matmul, quantized_matmul, rms_norm, rope
+from mlxcel.native import bf16_matmul, q6k, q6k_matmul, quantized_matmul, rms_norm, rope
 
 __all__ = [
     "NativeBf16Embedding",
     "NativeBf16Linear",
     "NativeQuantizedEmbedding",
     "NativeQuantizedLinear",
+    "NativeQ6kEmbedding",
+    "NativeQ6kLinear",
     "NativeRMSNorm",
     "NativeRoPE",
+    "Q6K_LAYERS",
     "fits",
     "install",
     "install_bf16",
@@ -68,6 +71,53 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
             group_size=self.group_size,
             bits=self.bits,
         )
+
+
+class _Q6kBlocks(nn.Module):
+    """A matrix [output_dims, input_dims] held as GGUF's Q6_K blocks (``weight``: uint8
+    [output_dims, input_dims / 256 * 210], ``mlxcel.native.q6k``)."""
+
+    def __init__(self, weight: mx.array) -> None:
+        super().__init__()
+        self.weight = weight
+
+    @property
+    def input_dims(self) -> int:
+        return q6k.inputs(self["weight"])
+
+    @property
+    def output_dims(self) -> int:
+        return int(self["weight"].shape[0])
+
+
+class NativeQ6kLinear(_Q6kBlocks):
+    """A Linear layer whose weight stays as Q6_K blocks, multiplied by
+    mlxcel.native.q6k_matmul."""
+
+    def __init__(self, weight: mx.array, bias: mx.array | None = None) -> None:
+        super().__init__(weight)
+        if bias is not None:
+            self.bias = bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = q6k_matmul(x, self["weight"])
+        return y + self["bias"] if "bias" in self else y
+
+
+class NativeQ6kEmbedding(_Q6kBlocks):
+    """An Embedding whose table stays as Q6_K blocks: a lookup dequantises the rows it takes
+    (float32, the file's values exactly); the tied output projection (``as_linear``) is
+    q6k_matmul."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return q6k.dequantize(self["weight"][x])
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return q6k_matmul(x, self["weight"])
+
+
+# The layers held as Q6_K blocks (what counts parameters or adapts a layer looks for these).
+Q6K_LAYERS = (NativeQ6kLinear, NativeQ6kEmbedding)
 
 
 def fits(module: nn.Module) -> bool:

@@ -77,7 +77,7 @@ def forward_ms(loaded: LoadedModel, rows: int, n: int = 20) -> float:
 
 
 def steps(loaded: LoadedModel, counts: list[int]) -> None:
-    params = _weights(loaded.model)
+    params = loaded.n_params  # multiply-adds per row and token (quantised weights unpacked)
     size = f"2 x {params / 1e6:.0f}M x rows"
     print(f"| rows | ms/step | tok/s | GFLOP/s ({size}) | forward alone ms |")
     print("|---:|---:|---:|---:|---:|")
@@ -175,21 +175,6 @@ def churn(loaded: LoadedModel, rows: int, n: int) -> None:
     print("| no churn | churn, copies (mlx-lm) | churn, row reuse | copies / reuse |")
     print("|---:|---:|---:|---:|")
     print(f"| {steady:.1f} | {copying:.1f} | {reusing:.1f} | {copying / reusing:.2f}x |")
-
-
-def _weights(model: object) -> int:
-    """Multiply-adds per row and token: every weight, packed quantised ones counted unpacked
-    (their uint32 words hold 32 / bits weights each; scales and biases are not weights)."""
-    total = 0
-    for _, module in model.named_modules():  # type: ignore[attr-defined]  # an nn.Module
-        bits = getattr(module, "bits", None)
-        for name, value in module.parameters().items():
-            if not isinstance(value, mx.array):
-                continue  # a child module's tree: counted when its turn comes
-            if bits is not None and name in ("scales", "biases"):
-                continue
-            total += value.size * 32 // bits if bits and value.dtype == mx.uint32 else value.size
-    return total
 
 
 def main() -> None:

@@ -35,6 +35,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxcel.native.layers import NativeQ6kLinear
+
 log = logging.getLogger(__name__)
 
 # Rows compared against; a layer that needs more padding than this is refused.
@@ -86,7 +88,7 @@ def prepare(model: Any, parallel: int) -> str | None:
 
 
 def _kind(module: Any) -> str | None:
-    if isinstance(module, nn.Linear | nn.QuantizedLinear):
+    if isinstance(module, nn.Linear | nn.QuantizedLinear | NativeQ6kLinear):
         return "linear"
     if isinstance(module, nn.RMSNorm | nn.LayerNorm):
         return "norm"
@@ -96,6 +98,8 @@ def _kind(module: Any) -> str | None:
 def _width(module: Any) -> int:
     if isinstance(module, nn.QuantizedLinear):
         return int(module.weight.shape[-1]) * 32 // int(module.bits)
+    if isinstance(module, NativeQ6kLinear):
+        return module.input_dims
     return int(module.weight.shape[-1])
 
 

@@ -60,6 +60,26 @@ void bf16mm_rows_avx512(const Bf16Args& a, const float* xT, int Mp, int n0, int 
 void qmm_rows_avx2(const QmmArgs& a, const float* xT, int Mp, int n0, int n1);
 void bf16mm_rows_avx2(const Bf16Args& a, const float* xT, int Mp, int n0, int n1);
 
+// ---- Q6_K weights as GGUF stores them (q6k_*; the block layout in q6k_block.h) -----------
+// out[M, N] = x[M, K] @ W.T for W [N, K] held as llama.cpp's Q6_K blocks, each row K / 256
+// blocks of kQ6kBlockBytes (K a multiple of 256), computed in float32 from the weights
+// d * scale * (code - 32), exactly the values llama.cpp dequantises.
+constexpr int kQ6kBlockBytes = 210;
+struct Q6kArgs {
+  const float* x;  // [M, K] row-major
+  const uint8_t* w;  // [N, K / 256 * kQ6kBlockBytes]
+  int M, N, K;
+  float* out;  // [M, N] row-major
+};
+// Columns [n0, n1) for every row; below kRowsKernelMin rows register tiles (callers cut
+// ranges at avx512_tile_cols / avx2_tile_cols), from it on the rows kernel over xT as
+// qmm_transpose_x leaves it (natural order).
+void q6k_avx512(const Q6kArgs& a, int n0, int n1);
+void q6k_rows_avx512(const Q6kArgs& a, const float* xT, int Mp, int n0, int n1);
+void q6k_avx2(const Q6kArgs& a, int n0, int n1);
+void q6k_rows_avx2(const Q6kArgs& a, const float* xT, int Mp, int n0, int n1);
+void q6k_generic(const Q6kArgs& a, int n0, int n1);
+
 // ---- int8 activations (AVX512-VNNI, kernels_vnni.cpp) ------------------------------------
 // Rows quantised per 32-input block, tile-major (16 rows a tile): xq [Mp/16][K/4][16][4] int8
 // (4 inputs of 16 rows per 64 bytes), d [Mp/16][K/32][16] (each block's scale, max|x| / 127),
@@ -89,6 +109,10 @@ constexpr int kVnniCols = 8;
 // each row the bits qmm_rows_vnni gives it.
 void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1);
 constexpr int kVnniColsSmall = 16;
+// Q6_K weights (Q6kArgs) against xr as qmm_quantize_rows_int8 left it at group_size 32 (xq,
+// no nibble order), at any row count (lanes are 16 rows); ranges cut at multiples of
+// kVnniCols. A row's result depends only on that row.
+void q6k_rows_vnni(const Q6kArgs& a, const Int8Rows& xr, int n0, int n1);
 
 // ---- attention (attention_avx512.cpp, attention_avx2.cpp) ----------------------------------
 // out[b, h, i] = softmax(scale * q[b, h, i] k^T [+ mask]) v over the keys query i may see, for

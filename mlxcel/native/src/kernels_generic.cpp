@@ -90,6 +90,27 @@ void bf16mm_generic(const Bf16Args& a, int n0, int n1) {
   }
 }
 
+void q6k_generic(const Q6kArgs& a, int n0, int n1) {
+  const int K = a.K;
+  const long row_bytes = long(K) / 256 * kQ6kBlockBytes;
+  std::vector<float> w(K);
+  for (long n = n0; n < n1; ++n) {
+    for (int k0 = 0; k0 < K; k0 += 256) {
+      // The block's layout: q6k_block.h.
+      const uint8_t* b = a.w + n * row_bytes + k0 / 256 * kQ6kBlockBytes;
+      const float d = half_to_float(uint16_t(b[208] | (b[209] << 8)));
+      for (int i = 0; i < 256; ++i) {
+        const int h = i / 128, quarter = (i % 128) / 32, l = i % 32;
+        const uint8_t ql = b[64 * h + l + 32 * (quarter & 1)];
+        const int low = quarter < 2 ? ql & 15 : ql >> 4;
+        const int high = (b[128 + 32 * h + l] >> (2 * quarter)) & 3;
+        w[k0 + i] = d * float(int8_t(b[192 + i / 16])) * float((low | (high << 4)) - 32);
+      }
+    }
+    for (int m = 0; m < a.M; ++m) a.out[long(m) * a.N + n] = dot(a.x + long(m) * K, w.data(), K);
+  }
+}
+
 void qmm_prepare_x(const float* x, float* xp, int M, int K) {
   for (long m = 0; m < M; ++m) {
     const float* src = x + m * K;

@@ -102,6 +102,25 @@ void run_columns(int M, int N, int K, int tile, Kernel kernel) {
   });
 }
 
+// x's rows quantised to int8 for the VNNI kernels (Int8Rows, kernels.h) into buffers reused
+// across calls on mlx's stream thread (the pool's tasks only read them). `cols_bits`: for the
+// columns kernel at that many bits a weight (its own order, xc), 0 for the rows kernel.
+Int8Rows int8_rows(const float* x, int M, int K, int group_size, bool nibbles, int cols_bits) {
+  const int Mp = (M + 15) / 16 * 16;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> d, sums;
+  xq.resize(size_t(Mp) * K);
+  d.resize(size_t(Mp) * (K / 32));
+  sums.resize(size_t(Mp) * (K / group_size));
+  Int8Rows xr{xq.data(), d.data(), sums.data(), Mp, nibbles};
+  if (cols_bits != 0) {
+    xr.xc = xq.data();
+    xr.cols_bits = cols_bits;
+  }
+  qmm_quantize_rows_int8(x, M, K, group_size, xr);
+  return xr;
+}
+
 // What both primitives do on the CPU: nothing for empty shapes, zeros for K=0, the portable
 // kernel without AVX2 or AVX-512, the rows kernel from kRowsKernelMin rows on (x transposed
 // once; `nibble_order` for 4-bit; `cols`: the kernels' tile width at M rows), else
@@ -239,6 +258,25 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
       {x, as_stored(w, stream)});
 }
 
+mx::array q6k_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) bad("x must be float32");
+  if (x.ndim() < 1) bad("x must have at least one dimension");
+  const int K = x.shape(-1);
+  if (K % 256 != 0) bad("x must have a multiple of 256 inputs (Q6_K blocks)");
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || long(w.shape(1)) != long(K) / 256 * kQ6kBlockBytes) {
+    std::ostringstream msg;
+    msg << "w must be uint8 [N, " << long(K) / 256 * kQ6kBlockBytes << "] (Q6_K blocks of " << K
+        << " inputs)";
+    bad(msg.str());
+  }
+  auto stream = mx::to_stream(s);
+  return mx::array(
+      out_shape(x, w.shape(0)),
+      mx::float32,
+      std::make_shared<Q6kMatmul>(stream, int8_mode()),
+      {x, as_stored(w, stream)});
+}
+
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
@@ -265,20 +303,9 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   if (int8) {
     encoder.dispatch([args]() {
       if (args.N == 0 || args.M == 0) return;
-      const int Mp = (args.M + 15) / 16 * 16;
-      // Reused across calls on mlx's stream thread (the pool's tasks only read them).
-      thread_local std::vector<int8_t> xq;
-      thread_local std::vector<float> d, sums;
-      xq.resize(size_t(Mp) * args.K);
-      d.resize(size_t(Mp) * (args.K / 32));
-      sums.resize(size_t(Mp) * (args.K / args.group_size));
-      Int8Rows xr{xq.data(), d.data(), sums.data(), Mp,
-                  args.bits == 4 && args.M >= kRowsKernelMin};
-      if (args.M < kRowsKernelMin) {  // the columns kernel's own order, once per call
-        xr.xc = xq.data();
-        xr.cols_bits = args.bits;
-      }
-      qmm_quantize_rows_int8(args.x, args.M, args.K, args.group_size, xr);
+      const Int8Rows xr = int8_rows(args.x, args.M, args.K, args.group_size,
+                                    args.bits == 4 && args.M >= kRowsKernelMin,
+                                    args.M < kRowsKernelMin ? args.bits : 0);
       if (args.M >= kRowsKernelMin) {
         run_columns(args.M, args.N, args.K, kVnniCols, [&](int n0, int n1) {
           qmm_rows_vnni(args, xr, n0, n1);
@@ -351,6 +378,54 @@ void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
     run_matmul(args, avx, false, avx512_tile_cols, bf16mm_generic, bf16mm_rows_avx512,
                [&](const Bf16Args& a) { tiled(a, avx512_tile_cols, bf16mm_avx512); });
   });
+}
+
+void Q6kMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  const auto& w = inputs[1];
+  auto& encoder = begin_eval(inputs, out, stream());
+  const int K = x.shape(-1);
+  Q6kArgs args{
+      dense_rows(x, stream()),
+      w.data<uint8_t>(),
+      K == 0 ? 0 : int(x.size() / K),
+      int(w.shape(0)),
+      K,
+      out.data<float>()};
+  // Int8 activations as for QuantizedMatmul, and at every row count in `every row` mode:
+  // the rows kernel then serves any count (lanes of 16 rows), so a row's bits never depend on
+  // the rows beside it (--batch-invariant), at the cost of 16 lanes' work for a few rows.
+  if (int8_ == int(Int8Mode::every_row) ||
+      (int8_ == int(Int8Mode::many_rows) && args.M >= kRowsKernelMin)) {
+    encoder.dispatch([args]() {
+      if (args.N == 0 || args.M == 0) return;
+      const Int8Rows xr = int8_rows(args.x, args.M, args.K, 32, false, 0);
+      run_columns(args.M, args.N, args.K, kVnniCols, [&](int n0, int n1) {
+        q6k_rows_vnni(args, xr, n0, n1);
+      });
+    });
+    return;
+  }
+  const auto tiled = [](const Q6kArgs& a, int (*cols)(int),
+                        void (*tile)(const Q6kArgs&, int, int)) {
+    run_columns(a.M, a.N, a.K, cols(a.M), [&](int n0, int n1) { tile(a, n0, n1); });
+  };
+  const Isa isa = active_isa();
+  if (isa == Isa::avx2) {
+    encoder.dispatch([args, tiled]() {
+      run_matmul(args, true, false, avx2_tile_cols, q6k_generic, q6k_rows_avx2,
+                 [&](const Q6kArgs& a) { tiled(a, avx2_tile_cols, q6k_avx2); });
+    });
+    return;
+  }
+  encoder.dispatch([args, tiled, avx = isa == Isa::avx512]() {
+    run_matmul(args, avx, false, avx512_tile_cols, q6k_generic, q6k_rows_avx512,
+               [&](const Q6kArgs& a) { tiled(a, avx512_tile_cols, q6k_avx512); });
+  });
+}
+
+void Q6kMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mlxcel native q6k_matmul runs on the CPU device only");
 }
 
 void Bf16Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -26,6 +26,11 @@ mx::array quantized_matmul(
 // x @ w.T for float32 x [..., K] and bfloat16 w [N, K], computed in float32.
 mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
+// x @ W.T for float32 x [..., K] and W [N, K] held as GGUF's Q6_K blocks (w: uint8
+// [N, K / 256 * 210], kernels.h), computed in float32 (with int8 activations where
+// set_int8_activations says, as quantized_matmul).
+mx::array q6k_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+
 // Which kernels run: "avx512" when the CPU has AVX-512 F/BW/VL/DQ with FMA and F16C, "avx2"
 // when it has AVX2 with FMA and F16C, else "generic" (portable C++), chosen at run time.
 // set_isa_cap caps it ("avx512" caps nothing; MLXCEL_NATIVE_ISA sets the cap at start, read
@@ -76,6 +81,24 @@ class Bf16Matmul : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     return dynamic_cast<const Bf16Matmul*>(&other) != nullptr;
   }
+};
+
+class Q6kMatmul : public mx::UnaryPrimitive {
+ public:
+  // `int8`: the Int8Mode in force when the graph was built, as for QuantizedMatmul.
+  Q6kMatmul(mx::Stream stream, int int8) : mx::UnaryPrimitive(stream), int8_(int8) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "MlxcelQ6kMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto* o = dynamic_cast<const Q6kMatmul*>(&other);
+    return o != nullptr && o->int8_ == int8_;
+  }
+
+ private:
+  int int8_;
 };
 
 }  // namespace mlxcel_native
