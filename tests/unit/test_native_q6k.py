@@ -113,11 +113,14 @@ def test_mlx_fallback_where_the_kernels_do_not_take_it() -> None:
     # float16 activations go to mlx ops on the decoded weights (and everything does where the
     # kernels are not built): same weights, float16's rounding.
     blocks, dense = _blocks(8, 256)
-    x = mx.random.normal((2, 256))
+    x = mx.random.normal((2, 256), key=mx.random.key(3))
     got = q6k_matmul(x.astype(mx.float16), blocks)
     assert got.dtype == mx.float16
     want = x @ mx.array(dense).T
-    assert mx.allclose(got.astype(mx.float32), want, rtol=2e-2, atol=2e-2).item()
+    # float16's rounding of the activations, the weights and every partial sum: a bound that
+    # scales with the terms summed (a fixed atol failed now and then on large random sums).
+    bound = 1e-2 * (mx.abs(x) @ mx.abs(mx.array(dense)).T) + 1e-3
+    assert mx.all(mx.abs(got.astype(mx.float32) - want) <= bound).item()
 
 
 def test_layers() -> None:
