@@ -39,6 +39,9 @@ import logging
 import os
 import platform
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 
 import mlx.core as mx
@@ -53,7 +56,9 @@ __all__ = [
     "bf16_matmul",
     "attention",
     "int8_activations",
+    "int8_like_rows",
     "kernel_isa",
+    "prompt_pass",
     "q6k_matmul",
     "quantized_matmul",
     "reason",
@@ -156,6 +161,53 @@ def int8_activations() -> str:
     return _INT8
 
 
+# From how many rows `many-rows` takes int8 activations (kRowsKernelMin in src/kernels.h).
+INT8_ROWS_MIN = 12
+
+# Per thread: the row count `many-rows` judges this thread's quantised matmuls by, in place of
+# each call's own (None: the call's). Graphs are built on the thread that runs the model, so a
+# thread of its own per model (router mode) keeps its own.
+_judged = threading.local()
+
+
+@contextmanager
+def int8_like_rows(rows: int) -> Iterator[None]:
+    """Quantised matmuls built on this thread within take int8 activations or not as a call of
+    ``rows`` rows would under the default ``many-rows`` mode, whatever their own row count (the
+    other modes decide for every row alike and are left as they are).
+
+    Why: under ``many-rows`` a row's numerics follow the row count of the call that computes
+    it, and so what else the call holds: a prompt suffix of 11 tokens after a prompt-cache hit
+    computed in float32, the whole prompt read fresh in int8 (logits ~6e-2 apart, a seeded
+    answer another text); a row decoding beside a neighbour that verifies a proposal of 5
+    tokens computed in int8, the same row beside a plain one in float32. The caller names the
+    count that should decide: ``prompt_pass`` for prompts, a decode batch's rows for its steps
+    (docs/reference/http-api.md#seeds). Nests; restored on exit."""
+    before = getattr(_judged, "rows", None)
+    _judged.rows = rows
+    try:
+        yield
+    finally:
+        _judged.rows = before
+
+
+def prompt_pass() -> AbstractContextManager[None]:
+    """Quantised matmuls built within read a prompt: int8 activations at every row count (under
+    ``many-rows``), so a prompt token's KV is the same whether it was read alone, beside other
+    prompts, after a prompt-cache hit or in any chunk size (the int8 kernels give a row the
+    same bits at any count)."""
+    return int8_like_rows(sys.maxsize)
+
+
+def _node_int8() -> int:
+    """The int8 mode for a quantised matmul built now on this thread: the index of a mode in
+    ``INT8_MODES``, or -1 for the process's."""
+    rows = getattr(_judged, "rows", None)
+    if rows is None or _INT8 != "many-rows":
+        return -1
+    return INT8_MODES.index("every-row" if rows >= INT8_ROWS_MIN else "off")
+
+
 _INT8 = "off"
 set_int8_activations()
 
@@ -203,7 +255,7 @@ def quantized_matmul(
     if x.dtype == mx.float32 and native_rows and available():
         assert _EXT is not None
         out: mx.array = _EXT.quantized_matmul(
-            x, w, scales, biases, group_size=group_size, bits=bits
+            x, w, scales, biases, group_size=group_size, bits=bits, int8=_node_int8()
         )
         return out
     # float32 scales, so that neither path rounds a dequantised weight to 16 bits.

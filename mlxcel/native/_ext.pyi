@@ -9,6 +9,7 @@ def quantized_matmul(
     *,
     group_size: int,
     bits: int,
+    int8: int = -1,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array: ...
 def bf16_matmul(

@@ -1,5 +1,8 @@
 """A seeded answer on the embedded default model does not depend on the requests beside it:
-the same seed gives the same text alone, three at a time, and with neighbours joining."""
+the same seed gives the same text alone, three at a time, and with neighbours joining; nor on
+where its prompt's KV came from: read fresh, from the prompt cache after another request
+shared its prefix (a grammar-constrained one, as in issue 40), beside neighbours in one batch,
+or from the cached first turn of a conversation."""
 
 from __future__ import annotations
 
@@ -135,3 +138,111 @@ def test_batch_invariant_mode_gives_the_solo_text_over_the_whole_vocabulary(
             assert fingerprint(client) not in (None, mode)
     finally:
         server.stop()
+
+
+# -- where the prompt's KV came from (issue 40) --------------------------------------
+
+DRAGON_SEED, DRAGON_TEXT = DRAGON
+# Before prompt passes took int8 at every row count, this seed's answer after the grammar
+# request below (its 11-token suffix computed in float32, the fresh read in int8) parted from
+# the fresh answer at its 15th token.
+PERSON = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "person",
+        "schema": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}},
+            "required": ["name"],
+        },
+    },
+}
+
+
+def ask_chat(
+    client: openai.OpenAI,
+    messages: list[Any],
+    *,
+    tenant: str | None = None,
+    fresh: bool = False,
+    seed: int = DRAGON_SEED,
+) -> tuple[str, int]:
+    """The seeded answer at temperature 1, and how many prompt tokens the cache served.
+    ``fresh``: the prompt is read whole (``cache_prompt: false``), the reference."""
+    extra: dict[str, Any] = {"cache_prompt": False} if fresh else {}
+    if tenant is not None:
+        extra["prompt_cache_key"] = tenant
+    r = client.chat.completions.create(
+        model="default",
+        messages=messages,
+        max_tokens=24,
+        temperature=1.0,
+        seed=seed,
+        extra_body=extra,
+    )
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    return r.choices[0].message.content or "", r.usage.prompt_tokens_details.cached_tokens or 0
+
+
+def grammar_request(client: openai.OpenAI, tenant: str) -> None:
+    """A grammar-constrained request: its prompt shares the chat template's system prefix."""
+    r = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Give me a person as JSON."}],
+        max_tokens=32,
+        temperature=1.0,
+        response_format=PERSON,  # type: ignore[arg-type]
+        extra_body={"prompt_cache_key": tenant},
+    )
+    assert r.choices[0].message.content
+
+
+def three_chats_at_once(client: openai.OpenAI, tenant: str) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = [("", 0)] * 3
+
+    def run(i: int) -> None:
+        out[i] = ask_chat(client, [{"role": "user", "content": DRAGON_TEXT}], tenant=tenant)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_a_seeded_request_after_a_grammar_request_gives_its_fresh_text(
+    client: openai.OpenAI,
+) -> None:
+    """Issue 40: the same seeded request three times in one batch right after a grammar
+    request, and once alone after one, each gives the text the prompt read fresh gives. Each
+    case has a tenant of its own, so that only the grammar request's entry is in its cache."""
+    question = [{"role": "user", "content": DRAGON_TEXT}]
+    fresh, cached = ask_chat(client, question, fresh=True)
+    assert fresh and cached == 0
+    grammar_request(client, "batch")
+    together = three_chats_at_once(client, "batch")
+    assert [text for text, _ in together] == [fresh] * 3
+    # At least one of them started from the grammar request's prefix (the system prompt).
+    assert max(n for _, n in together) > 0
+    grammar_request(client, "alone")
+    alone, cached = ask_chat(client, question, tenant="alone")
+    assert cached > 0, "the system prompt should come from the grammar request's entry"
+    assert alone == fresh
+
+
+def test_a_seeded_follow_up_turn_gives_its_fresh_text_from_the_cached_first_turn(
+    client: openai.OpenAI,
+) -> None:
+    """The second turn of a conversation starts with the first turn's prompt and answer, both
+    in the prompt cache: the seeded second answer is the one a fresh read gives."""
+    first, _ = ask_chat(client, [{"role": "user", "content": DRAGON_TEXT}], tenant="talk")
+    follow = [
+        {"role": "user", "content": DRAGON_TEXT},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "And a second one?"},
+    ]
+    fresh, _ = ask_chat(client, follow, fresh=True, seed=DRAGON_SEED + 1)
+    again, cached = ask_chat(client, follow, tenant="talk", seed=DRAGON_SEED + 1)
+    assert cached > 0, "the first turn's prompt should come from the cache"
+    assert again == fresh

@@ -32,7 +32,9 @@ from mlxcel.native import (
     available,
     bf16_matmul,
     int8_activations,
+    int8_like_rows,
     kernel_isa,
+    prompt_pass,
     quantized_matmul,
     reason,
     set_int8_activations,
@@ -392,6 +394,35 @@ def test_int8_modes() -> None:
     finally:
         ext.force_generic(False)  # type: ignore[attr-defined]
     assert set_int8_activations("every-row") == "every-row"
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_prompt_pass_takes_int8_at_any_row_count(bits: int) -> None:
+    """Under many-rows, a prompt token's activations do not follow the rows read with it: 3
+    rows read as a prompt get the bits they get among 16 (issue 40: a prompt suffix after a
+    cache hit computed in float32, the same prompt read whole in int8)."""
+    w, s, b, dense = _quantized(1536, 576, bits, 32, mx.float16)
+    x = mx.random.normal((16, 576))
+    set_int8_activations("many-rows")
+
+    def qmm(rows: mx.array) -> mx.array:
+        return quantized_matmul(rows, w, s, b, group_size=32, bits=bits)
+
+    full = qmm(x)
+    plain = qmm(x[:3])
+    _check(plain, x[:3], dense)  # float32 outside a prompt pass
+    with prompt_pass():
+        assert mx.array_equal(qmm(x[:3]), full[:3]).item()
+        # A decode batch's step inside says how many rows decide: 3 rows, float32.
+        with int8_like_rows(3):
+            _check(qmm(x), x, dense)
+        assert mx.array_equal(qmm(x[:1]), full[:1]).item()  # restored on exit
+    assert mx.array_equal(qmm(x[:3]), plain).item()
+    # The other modes decide for every row alike: a prompt pass changes nothing under "off".
+    set_int8_activations("off")
+    with prompt_pass():
+        _check(qmm(x), x, dense)
 
 
 @needs_vnni

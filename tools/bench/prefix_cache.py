@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -28,12 +29,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def ttft(url: str, messages: list[dict[str, str]]) -> tuple[float, int]:
+def ttft(
+    url: str, messages: list[dict[str, str]], extra: dict[str, Any] | None = None
+) -> tuple[float, int]:
+    """Seconds to the first token streamed, and the prompt tokens the cache served."""
     body = {
         "messages": messages,
         "max_tokens": 1,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     tic = time.perf_counter()
     first = None
@@ -48,6 +53,27 @@ def ttft(url: str, messages: list[dict[str, str]]) -> tuple[float, int]:
     return first, cached
 
 
+def start_server(model: str | None, extra: list[str]) -> tuple[subprocess.Popen[bytes], str] | None:
+    """`mlxcel serve --parallel 8` on a free port, healthy; None if it did not start."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), "--parallel", "8"]
+    cmd += [*extra, *(["-m", model] if model else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            proc.wait()
+            return None
+        time.sleep(0.2)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -55,34 +81,12 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "mlxcel",
-        "serve",
-        "--port",
-        str(port),
-        "--metrics",
-        "--parallel",
-        "8",
-    ]
-    if args.model:
-        cmd += ["-m", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = start_server(args.model, ["--metrics"])
+    if started is None:
+        print("server did not start", file=sys.stderr)
+        return 1
+    proc, url = started
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                print("server did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
         prefix = " ".join(f"rule{i}" for i in range(330))  # ~1,000 tokens with the template
         cold, warm = [], []
         for i in range(args.rounds):

@@ -34,6 +34,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.sample_utils import greedy_sampler
 
+from mlxcel import native
 from mlxcel.actors.model_runner import row_reuse
 from mlxcel.actors.model_runner.encoding import Encoder
 from mlxcel.actors.model_runner.prefill_budget import PrefillBudget
@@ -332,6 +333,18 @@ class PrimedGenerationBatch(GenerationBatch):
         return responses
 
 
+class ReadingBatch(PromptProcessingBatch):
+    """mlx-lm's batch of prompts being read, whose every chunk is a prompt pass
+    (``native.prompt_pass``): a prompt token's KV does not depend on the chunk it was read in,
+    the prompts beside it or how much of it came from the prompt cache, so a seeded answer is
+    the same from a cached prefix as from a fresh read. (The pass mlx-lm makes on a held
+    row's last prompt token is a decode step's, as that token's is for every other row.)"""
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        with native.prompt_pass():
+            super().prompt(tokens)
+
+
 class EagerStartBatchGenerator(BatchGenerator):
     def __init__(
         self,
@@ -356,6 +369,10 @@ class EagerStartBatchGenerator(BatchGenerator):
         generating = make(self.model, self.sampler)
         generating.encoder = encoder
         compat.set_generation_batch(self, generating)
+        compat.set_prompt_batch(
+            self,
+            ReadingBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size),
+        )
         self._budget = budget if budget is not None else PrefillBudget(share=1.0)
         self._urgent = urgent
         self._full_chunk = self.prefill_step_size
@@ -487,7 +504,7 @@ class EagerStartBatchGenerator(BatchGenerator):
             source = prompts
             compat.set_prompt_batch(
                 self,
-                PromptProcessingBatch.empty(
+                ReadingBatch.empty(
                     self.model, self.sampler, prefill_step_size=self.prefill_step_size
                 ),
             )

@@ -69,6 +69,15 @@ def _encoder_wanted(settings: Settings) -> bool:
 
 
 @attrs.frozen
+class _Donation:
+    """Where a request's cache goes when it ends: its prompt-cache key, and how many of its
+    first tokens hold what a fresh read computes (``prompt_cache.EXACT``)."""
+
+    key: str
+    exact: int
+
+
+@attrs.frozen
 class _Row:
     """One batch row to start: a choice of a request, from this prompt suffix and cache."""
 
@@ -191,7 +200,7 @@ class MlxBackend:
         self._rid_by_uid: dict[int, str] = {}
         self._choice_by_uid: dict[int, int] = {}
         self._uids_by_rid: dict[str, list[int]] = {}
-        self._cache_key: dict[str, str] = {}
+        self._donation: dict[str, _Donation] = {}
         # Top-k asked for, per row that wants log-probabilities.
         self._logprobs: dict[int, int] = {}
         # Per row with a grammar or a thinking budget (each choice has its own).
@@ -284,10 +293,12 @@ class MlxBackend:
             tokens.append(TokenOut(rid, r.token, r.finish_reason, lp, top, choice))
             if r.finish_reason is not None:
                 # The first choice to finish donates its cache; one entry per prompt is enough.
-                key = self._cache_key.pop(rid, None)
-                if key is not None and self._cache is not None and r.prompt_cache is not None:
-                    self._store(rid, key, list(r.all_tokens or ()), r.prompt_cache)
-                    self._slots.donated(self._slot_of.get(rid, -1), key, list(r.all_tokens or ()))
+                gift = self._donation.pop(rid, None)
+                if gift is not None and self._cache is not None and r.prompt_cache is not None:
+                    self._store(rid, gift, list(r.all_tokens or ()), r.prompt_cache)
+                    self._slots.donated(
+                        self._slot_of.get(rid, -1), gift.key, list(r.all_tokens or ())
+                    )
                 self._forget(r.uid)
         shifted_rids: tuple[str, ...] = ()
         if self._shift is not None:
@@ -374,6 +385,10 @@ class MlxBackend:
             )
             self._rename(old, new)
             self._rereading.add(new)
+            rid = self._rid_by_uid[new]
+            if (gift := self._donation.get(rid)) is not None:
+                # Its cache no longer starts as its prompt did: none of it counts as exact.
+                self._donation[rid] = attrs.evolve(gift, exact=0)
             if (guide := self._guides.get(new)) is not None:
                 guide.rebase(unseen)
             rids.append(self._rid_by_uid[new])
@@ -472,12 +487,19 @@ class MlxBackend:
             if self._cache is not None and s.cache_key is not None:
                 # KV read under other adapter scales is never served: the scales key it.
                 key = s.cache_key + lora.scale_tag(s.lora)
+                seeded = s.sampling.seed is not None
                 # Batch-invariant: a seeded prompt is read whole, in the chunks a lone request
                 # reads it in (a cached prefix was computed in other chunks, or token by
-                # token, and so differs from them in its last bits).
-                if not (self._invariant and s.sampling.seed is not None):
-                    cache, n = self._cache.lookup(key, prompt)
-                self._cache_key[s.request_id] = key
+                # token, and so differs from them in its last bits). Otherwise a seeded
+                # prompt reuses only what a fresh read computes alike (prompt_cache.EXACT):
+                # what the cached request read as its prompt, not its last prompt token or
+                # its answer, which decode steps computed.
+                same = 0
+                if not (self._invariant and seeded):
+                    cache, n, same = self._cache.lookup(key, prompt, exact=seeded)
+                # All but its last token is read in prompt passes: exact, from an exact start.
+                exact = len(prompt) - 1 if same == n else same
+                self._donation[s.request_id] = _Donation(key, exact)
             cached.append((s.request_id, n))
             # With more than the last token left to read, choice 0 reads it alone and the
             # others fork from its cache afterwards (_fork); else all start from this one.
@@ -529,7 +551,7 @@ class MlxBackend:
             return None
         return mx.array(scales, dtype=mx.float32)
 
-    def _store(self, rid: str, key: str, tokens: list[int], cache: list[Any]) -> None:
+    def _store(self, rid: str, gift: _Donation, tokens: list[int], cache: list[Any]) -> None:
         """Donate a row's cache to the prompt cache; an M-RoPE image row's entry keeps its
         position shift (a batch row's extracted cache knows only its length)."""
         assert self._cache is not None
@@ -537,7 +559,7 @@ class MlxBackend:
         if shift:
             for layer in cache:
                 setattr(layer, vlm.POSITION_SHIFT, shift)
-        self._cache.store(key, tokens, cache)
+        self._cache.store(gift.key, tokens, cache, gift.exact)
 
     def _image_rows(
         self, s: InsertSequence, prompt: list[int], cached: list[tuple[str, int]]
@@ -553,8 +575,9 @@ class MlxBackend:
         images = s.images
         if self._vlm_prefix and self._cache is not None and s.cache_key is not None:
             key = f"{s.cache_key}\x00vision:{images.digest}"
-            self._cache_key[s.request_id] = key
-            cache, n = self._cache.lookup(key, prompt)
+            # The tower's pass is no prompt pass: no token of it counts as exact.
+            self._donation[s.request_id] = _Donation(key, 0)
+            cache, n, _ = self._cache.lookup(key, prompt)
             if cache is not None and n > images.last_media_token:
                 self._shifts[s.request_id] = int(getattr(cache[0], vlm.POSITION_SHIFT, 0))
                 cached.append((s.request_id, n))
@@ -646,7 +669,7 @@ class MlxBackend:
         uids.remove(uid)
         if not uids:
             del self._uids_by_rid[rid]
-            self._cache_key.pop(rid, None)
+            self._donation.pop(rid, None)
             self._slot_of.pop(rid, None)
             self._shifts.pop(rid, None)
 
@@ -663,14 +686,16 @@ class MlxBackend:
         uids = list(dict.fromkeys(uids))
         donors = self._donors(requests)
         caches = self._gen.remove(uids, return_prompt_caches=bool(donors))
-        for uid, key in donors.items():
+        for uid, gift in donors.items():
             cache, tokens = caches[uid]
-            self._store(self._rid_by_uid[uid], key, list(tokens), cache)
-            self._slots.donated(self._slot_of.get(self._rid_by_uid[uid], -1), key, list(tokens))
+            self._store(self._rid_by_uid[uid], gift, list(tokens), cache)
+            self._slots.donated(
+                self._slot_of.get(self._rid_by_uid[uid], -1), gift.key, list(tokens)
+            )
         for uid in uids:
             self._forget(uid)
 
-    def _donors(self, requests: tuple[str, ...]) -> dict[int, str]:
+    def _donors(self, requests: tuple[str, ...]) -> dict[int, _Donation]:
         """Per cancelled request, one row that has read tokens since its cache lookup, and
         its cache key: it donates what it has read, as a finished row does.
 
@@ -688,10 +713,10 @@ class MlxBackend:
         )
         donors = {}
         for rid in requests:
-            key = self._cache_key.get(rid)
+            gift = self._donation.get(rid)
             uids = [u for u in self._uids_by_rid.get(rid, ()) if stages.get(u, 0) > 0]
-            if key is not None and uids:
-                donors[uids[0]] = key
+            if gift is not None and uids:
+                donors[uids[0]] = gift
         return donors
 
     def close(self) -> None:

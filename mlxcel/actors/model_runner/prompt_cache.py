@@ -11,6 +11,12 @@ whole source alive: every row of the batch, every layer, with the preallocated r
 lazily, each entry of a 135M model held ~60 MB while counting ~2 MB, and the server grew
 without bound under batched traffic (21 GB in 13 minutes). Evaluated, an entry owns a buffer
 of exactly the bytes it counts, so the LRU's byte budget (``--cache-ram``) is what it holds.
+
+An entry also says how many of its first tokens hold the KV that reading them fresh computes
+(``EXACT``): tokens read in prompt passes from such a start do, whatever their chunks; the
+prompt's last token and the answer, computed in decode steps (float32 below 12 rows, int8 in
+prompt passes), do not. A seeded prompt reuses only those (``lookup(..., exact=True)``), so
+its answer is the one a fresh read gives (docs/reference/http-api.md#seeds).
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from mlxcel.runtime.messages import CacheStats
 
 MAX_ENTRIES = 256
 
+# On each layer of an entry's cache: how many of its first tokens a fresh read computes alike.
+# Copies and trimmed copies carry it along; an entry without it (a restored slot file) counts
+# none.
+EXACT = "mlxcel_exact_tokens"
+
 
 class PromptCache:
     def __init__(self, max_bytes: int) -> None:
@@ -34,8 +45,12 @@ class PromptCache:
         self.misses = 0
         self.evictions = 0
 
-    def lookup(self, key: str, prompt: list[int]) -> tuple[list[Any] | None, int]:
-        """A private copy of the nearest cache and how many prompt tokens it covers."""
+    def lookup(
+        self, key: str, prompt: list[int], *, exact: bool = False
+    ) -> tuple[list[Any] | None, int, int]:
+        """A private copy of the nearest cache, how many prompt tokens it covers, and how many
+        of those hold what a fresh read computes (``EXACT``). ``exact``: only those are served
+        (the copy is trimmed to them)."""
         cache, rest = self._lru.fetch_nearest_cache(key, prompt)
         if cache is not None and not rest:
             # An exact hit still needs one token to feed the model: step back by one.
@@ -44,13 +59,25 @@ class PromptCache:
             else:
                 trim_prompt_cache(cache, 1)
                 rest = prompt[-1:]
+        n = len(prompt) - len(rest)
+        same = min(n, int(getattr(cache[0], EXACT, 0))) if cache else 0
+        if exact and cache is not None and same < n:
+            if same == 0 or not can_trim_prompt_cache(cache):
+                cache = None
+            else:
+                trim_prompt_cache(cache, n - same)
+                n = same
         if cache is None:
             self.misses += 1
-            return None, 0
+            return None, 0, 0
         self.hits += 1
-        return cache, len(prompt) - len(rest)
+        return cache, n, same
 
-    def store(self, key: str, tokens: list[int], cache: list[Any]) -> None:
+    def store(self, key: str, tokens: list[int], cache: list[Any], exact: int = 0) -> None:
+        """Keep ``cache`` (of these tokens), whose first ``exact`` tokens hold what a fresh
+        read computes."""
+        for layer in cache:
+            setattr(layer, EXACT, min(exact, len(tokens)))
         mx.eval(_arrays(cache))
         before = len(self._lru)
         self._lru.insert_cache(key, tokens, cache)

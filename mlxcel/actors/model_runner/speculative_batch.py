@@ -33,11 +33,13 @@ counts that in the costs it measures.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import attrs
 import mlx.core as mx
 
+from mlxcel import native
 from mlxcel.actors.model_runner.draft import DraftModel, DraftRow
 from mlxcel.actors.model_runner.eager_start import NORMAL, PrimedGenerationBatch
 from mlxcel.actors.model_runner.sampler_chain import SeededSampler
@@ -216,6 +218,16 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
             and not isinstance(sampler, SeededSampler)
         )
 
+    def _as_plain_step(self) -> AbstractContextManager[None]:
+        """With a seeded row in the batch, the verifying pass computes its activations as a
+        plain step of as many rows would (float32 below 12 rows, int8 from 12): a seeded row
+        never speculates, and its token must not depend on how far a neighbour's proposal
+        reaches (``rows x (width + 1)`` inputs took int8 from 2 rows and a 5-token proposal
+        on). Without one, the pass keeps the kernels' own choice, faster at its row count."""
+        if any(isinstance(s, SeededSampler) for s in self._samplers):
+            return native.int8_like_rows(len(self.uids))
+        return nullcontext()
+
     def _state(self, i: int) -> _RowState:
         assert self.speculation is not None
         uid = self.uids[i]
@@ -239,7 +251,8 @@ class SpeculativeGenerationBatch(PrimedGenerationBatch):
         assert self.speculation is not None
         rows = len(self.uids)
         fed = [[t, *p, *([t] * (width - len(p)))] for t, p in zip(pending, proposals, strict=True)]
-        logits = self.model(mx.array(fed), cache=self.prompt_cache)  # [rows, width + 1, V]
+        with self._as_plain_step():
+            logits = self.model(mx.array(fed), cache=self.prompt_cache)  # [rows, width + 1, V]
         dists: list[mx.array] = []
         draws: list[mx.array] = []
         contexts = []

@@ -21,6 +21,7 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "group_size"_a,
       "bits"_a,
+      "int8"_a = -1,
       "stream"_a = nb::none());
   m.def("bf16_matmul", &mlxcel_native::bf16_matmul, "x"_a, "w"_a, nb::kw_only(),
         "stream"_a = nb::none());

@@ -209,6 +209,15 @@ int int8_activations() {
   return int8_mode();
 }
 
+// A node's own mode (quantized_matmul's `int8`), where the CPU can run int8 at all.
+int node_int8_mode(int wanted) {
+  if (wanted < -1 || wanted > int(Int8Mode::every_row))
+    bad("int8 must be -1 (the process's mode), 0 (off), 1 (many rows) or 2 (every row)");
+  if (wanted < 0) return int8_mode();
+  if (active_isa() != Isa::avx512 || !cpu_has_vnni()) return int(Int8Mode::off);
+  return wanted;
+}
+
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -216,6 +225,7 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
+    int int8,
     mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) bad("bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
@@ -241,7 +251,7 @@ mx::array quantized_matmul(
   return mx::array(
       out_shape(x, N),
       mx::float32,
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits, int8_mode()),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, node_int8_mode(int8)),
       {x, as_stored(w, stream), as_stored(scales, stream), as_stored(biases, stream)});
 }
 

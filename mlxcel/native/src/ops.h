@@ -13,7 +13,8 @@ namespace mx = mlx::core;
 namespace mlxcel_native {
 
 // mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits) for float32 x
-// [..., K], computed in float32: out[..., N].
+// [..., K], computed in float32: out[..., N]. `int8`: this node's Int8Mode (below), or -1 for
+// the process's (set_int8_activations); a mode asked for is off where the CPU has no int8.
 mx::array quantized_matmul(
     const mx::array& x,
     const mx::array& w,
@@ -21,6 +22,7 @@ mx::array quantized_matmul(
     const mx::array& biases,
     int group_size,
     int bits,
+    int int8 = -1,
     mx::StreamOrDevice s = {});
 
 // x @ w.T for float32 x [..., K] and bfloat16 w [N, K], computed in float32.
