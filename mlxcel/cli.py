@@ -38,6 +38,7 @@ TOOL_FORMATS = [
     "glm45",
     "deepseek_v31",
     "kimi_k2",
+    "gpt_oss",
     "none",
 ]
 _TRUE = {"1", "true", "yes", "on", "enabled"}

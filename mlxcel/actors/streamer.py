@@ -18,7 +18,7 @@ import trio
 
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
 from mlxcel.actors.loops import LoopDetector
-from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, ReasoningSplitter
+from mlxcel.actors.reasoning import HarmonyFormat, ReasoningDelta, ReasoningFormat, Splitter
 from mlxcel.actors.toolcalls import (
     MARKER_TEXTS,
     Parser,
@@ -27,6 +27,7 @@ from mlxcel.actors.toolcalls import (
     ToolFormat,
     make_parser,
 )
+from mlxcel.actors.toolcalls.harmony import TOKENS as HARMONY_TOKENS
 from mlxcel.runtime.errors import InternalError
 from mlxcel.runtime.messages import (
     CloseStream,
@@ -46,13 +47,16 @@ log = logging.getLogger(__name__)
 MARKERS = MARKER_TEXTS | {"<think>", "</think>"}
 
 
-def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:
-    """Ids of the special tokens to leave out of output text: all but the parsers' markers."""
+def hidden_special_tokens(tokenizer: Any, *, harmony: bool = False) -> frozenset[int] | None:
+    """Ids of the special tokens to leave out of output text: all but the parsers' markers
+    (with ``harmony``, gpt-oss's framing tokens too: its channels are read from them; other
+    models' tokens of the same spelling stay hidden)."""
     added = getattr(tokenizer, "added_tokens_decoder", None)
     if not isinstance(added, dict):
         return None
+    keep = MARKERS | set(HARMONY_TOKENS) if harmony else MARKERS
     return frozenset(
-        i for i, t in added.items() if getattr(t, "special", False) and str(t) not in MARKERS
+        i for i, t in added.items() if getattr(t, "special", False) and str(t) not in keep
     )
 
 
@@ -62,7 +66,7 @@ class _Stream:
     choice: int
     detok: IncrementalDetokenizer
     stops: StopMatcher
-    reasoning: ReasoningSplitter | None = None
+    reasoning: Splitter | None = None
     tools: Parser | None = None
     single_call: bool = False
     calls: int = 0
@@ -89,7 +93,8 @@ class Streamer:
         self._aborts = aborts
         self._reasoning = reasoning
         self._tool_format = tool_format
-        self._hidden = hidden_special_tokens(tokenizer)
+        harmony = isinstance(reasoning, HarmonyFormat) or tool_format is ToolFormat.GPT_OSS
+        self._hidden = hidden_special_tokens(tokenizer, harmony=harmony)
         # Per request, its choices' pipelines; None once a choice has finished.
         self._streams: dict[str, list[_Stream | None]] = {}
 

@@ -1,6 +1,6 @@
 """Chat templates for tiny test models: a Qwen 2.5-style tool template (Hermes ``<tool_call>``
 wire format), a Qwen3-style one whose generation prompt opens a ``<think>`` block, and one per
-tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2)."""
+tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -220,4 +220,62 @@ KIMI_K2_TOOLS = (
     "{%- endif -%}<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+# gpt-oss (openai/gpt-oss-20b): harmony messages. Tools as a TypeScript namespace in the
+# developer message (parameters shown as their JSON schema here, where the published template
+# spells out TypeScript types), an earlier call as "<|start|>assistant to=functions.NAME
+# <|channel|>commentary json<|message|>{args}<|call|>" after its analysis (kept only while no
+# final answer follows), results as "<|start|>functions.NAME to=assistant<|channel|>commentary
+# <|message|>" + the result as a JSON string, earlier answers' analysis dropped.
+GPT_OSS_TOOLS = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\n\nReasoning: {{ reasoning_effort or 'medium' }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'."
+    "{%- endif %}<|end|>"
+    "{%- if messages[0].role in ('developer', 'system') %}"
+    "{%- set developer_message = messages[0].content %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set developer_message = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if developer_message or tools %}<|start|>developer<|message|>"
+    "{%- if developer_message %}# Instructions\n\n{{ developer_message }}\n\n{%- endif %}"
+    "{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {\n\n"
+    "{%- for tool in tools %}{%- set tool = tool.function if tool.function else tool %}"
+    "// {{ tool.description }}\ntype {{ tool.name }} = (_: {{ tool.parameters | tojson }}) => any;"
+    "\n\n{%- endfor %}} // namespace functions{%- endif %}<|end|>{%- endif %}"
+    "{%- set last_tool_call = namespace(name=none) %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- if message.tool_calls %}"
+    "{%- set future_final = namespace(found=false) %}"
+    "{%- for later in loop_messages[loop.index:] %}"
+    "{%- if later.role == 'assistant' and not later.tool_calls %}"
+    "{%- set future_final.found = true %}{%- endif %}{%- endfor %}"
+    "{%- set tool_call = message.tool_calls[0] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message.content and message.thinking %}"
+    "{{- raise_exception('Cannot pass both content and thinking in an assistant message with "
+    "tool calls!') }}"
+    "{%- elif message.content and not future_final.found %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.content }}<|end|>"
+    "{%- elif message.thinking and not future_final.found %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{%- endif %}"
+    "<|start|>assistant to=functions.{{ tool_call.name }}<|channel|>commentary json<|message|>"
+    "{{ tool_call.arguments | tojson }}<|call|>"
+    "{%- set last_tool_call.name = tool_call.name %}"
+    "{%- else %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- set last_tool_call.name = none %}"
+    "{%- endif %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if last_tool_call.name is none %}"
+    "{{- raise_exception('Message has tool role, but there was no previous assistant message "
+    "with a tool call!') }}{%- endif %}"
+    "<|start|>functions.{{ last_tool_call.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ message.content | tojson }}<|end|>"
+    "{%- elif message.role == 'user' %}<|start|>user<|message|>{{ message.content }}<|end|>"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
 )

@@ -17,6 +17,8 @@ def detect(
 ) -> ToolFormat | None:
     """The family this model emits tool calls in, None when nothing points to one."""
     t = chat_template or ""
+    if "<|channel|>" in t and "<|call|>" in t:
+        return ToolFormat.GPT_OSS  # harmony: checked first, its templates mention no other syntax
     # Qwen3-Coder and GLM-4.5 also wrap calls in <tool_call>, so their own syntax is looked
     # for before Hermes' JSON.
     if "<function=" in t and "<parameter=" in t:
@@ -41,6 +43,7 @@ def detect(
     # the model was trained on.
     vocab = tokenizer_vocab or {}
     for token, fmt in (
+        ("<|channel|>", ToolFormat.GPT_OSS),
         ("<arg_key>", ToolFormat.GLM45),  # GLM's vocabulary has <tool_call> too
         ("<|tool_calls_section_begin|>", ToolFormat.KIMI_K2),
         ("<tool_call>", ToolFormat.HERMES),
