@@ -37,6 +37,7 @@ TOOL_FORMATS = [
     "qwen3_coder",
     "glm45",
     "deepseek_v31",
+    "deepseek_v3",
     "kimi_k2",
     "gpt_oss",
     "none",

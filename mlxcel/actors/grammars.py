@@ -193,6 +193,8 @@ def tool_call_lark(
             return section_grammars.glm45(calls, many, marker, special, JSON_OPTIONS)
         case ToolFormat.DEEPSEEK_V31:
             return section_grammars.deepseek_v31(calls, many, marker, JSON_OPTIONS)
+        case ToolFormat.DEEPSEEK_V3:
+            return section_grammars.deepseek_v3(calls, many, marker, JSON_OPTIONS)
         case ToolFormat.KIMI_K2:
             return section_grammars.kimi_k2(calls, many, marker, JSON_OPTIONS)
         case ToolFormat.GPT_OSS:

@@ -214,6 +214,34 @@ def deepseek_v31(
     )
 
 
+def deepseek_v3(
+    calls: list[tuple[str, Any]],
+    parallel: bool,
+    marker: Marker,
+    options: Mapping[str, Any],
+) -> str:
+    """``<｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}
+    \\n```<｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>``, the calls apart by a newline as the V3-0324
+    and R1 templates write them."""
+    rules = _Rules()
+    sep = marker("<｜tool▁sep｜>")
+    fence, close = _lit("\n```json\n"), _lit("\n```")
+    alts = [
+        rules.add(f"{_lit('function')} {sep} {_lit(name)} {fence} "
+                  f"{rules.add(json_rule(p, options))} {close}")
+        for name, p in calls
+    ]  # fmt: skip
+    call = f"{marker('<｜tool▁call▁begin｜>')} ({' | '.join(alts)}) {marker('<｜tool▁call▁end｜>')}"
+    return _section(
+        rules,
+        call,
+        parallel,
+        marker("<｜tool▁calls▁begin｜>"),
+        marker("<｜tool▁calls▁end｜>"),
+        between=_lit("\n"),
+    )
+
+
 def kimi_k2(
     calls: list[tuple[str, Any]],
     parallel: bool,
@@ -275,8 +303,15 @@ def gpt_oss(
     return "\n".join([start, f"analysis: {analysis}", f"call: {call}", *rules.lines]) + "\n"
 
 
-def _section(rules: _Rules, call: str, parallel: bool, begin: str, end: str) -> str:
-    body = f"call{{1,{MAX_PARALLEL_CALLS}}}" if parallel else "call"
+def _section(
+    rules: _Rules, call: str, parallel: bool, begin: str, end: str, between: str = ""
+) -> str:
+    if not parallel:
+        body = "call"
+    elif between:
+        body = f"call ({between} call){MORE_CALLS}"
+    else:
+        body = f"call{{1,{MAX_PARALLEL_CALLS}}}"
     return "\n".join([f"start: {begin} {body} {end}", f"call: {call}", *rules.lines]) + "\n"
 
 

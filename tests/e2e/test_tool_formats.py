@@ -27,6 +27,7 @@ from mlxcel.actors.toolcalls.harmony import CALL, RETURN
 from mlxcel.actors.toolcalls.harmony import TOKENS as HARMONY_TOKENS
 from tests.conftest import ServerProcess
 from tests.support.templates import (
+    DEEPSEEK_V3_TOOLS,
     DEEPSEEK_V31_TOOLS,
     GLM45_TOOLS,
     GPT_OSS_TOOLS,
@@ -74,9 +75,16 @@ FAMILIES = {
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n",
     ),
     "deepseek_v31": (
+        DEEPSEEK_V3_TOOLS,
         DEEPSEEK_V31_TOOLS,
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
         '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}',
+    ),
+    "deepseek_v3": (
+        DEEPSEEK_V3_TOOLS,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{",
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜>',
     ),
     "kimi_k2": (
         KIMI_K2_TOOLS,
@@ -451,7 +459,7 @@ def test_a_call_cut_by_max_tokens_shows_no_raw_format_text(
     )
     assert not streamed_text
     calls = choice.message.tool_calls or []
-    if name in ("deepseek_v31", "kimi_k2", "gpt_oss"):
+    if name in ("deepseek_v31", "deepseek_v3", "kimi_k2", "gpt_oss"):
         assert [c.function.name for c in calls] == ["get_weather"]
         args = calls[0].function.arguments
         assert whole_args.startswith(args) and args != whole_args

@@ -1,6 +1,6 @@
 """Chat templates for tiny test models: a Qwen 2.5-style tool template (Hermes ``<tool_call>``
 wire format), a Qwen3-style one whose generation prompt opens a ``<think>`` block, and one per
-tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2, gpt-oss)."""
+tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, DeepSeek V3/R1, Kimi K2, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -278,4 +278,46 @@ GPT_OSS_TOOLS = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+
+# DeepSeek V3-0324 / R1: calls as TYPE<｜tool▁sep｜>NAME and the arguments *string* in a ```json
+# fence, calls after the first on a new line; results between tool-output markers. The published
+# template shows no tool list (clients describe tools in the system prompt), nor does this one.
+_DEEPSEEK_V3_CALL = (
+    "'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + "
+    "'<｜tool▁call▁end｜>'"
+)
+DEEPSEEK_V3_TOOLS = (
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
+    "system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}{%- endfor %}"
+    "<｜begin▁of▁sentence｜>{{ ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
+    "{{ '<｜User｜>' + message['content'] }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{%- set ns.is_tool = false -%}"
+    "{%- for tool in message['tool_calls'] %}"
+    "{%- if not ns.is_first %}"
+    "{{ '<｜Assistant｜>' + (message['content'] or '') + '<｜tool▁calls▁begin｜>' + "
+    + _DEEPSEEK_V3_CALL
+    + " }}{%- set ns.is_first = true -%}"
+    "{%- else %}{{ '\\n' + " + _DEEPSEEK_V3_CALL + " }}{%- endif %}"
+    "{%- endfor %}{{ '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
+    "{%- endif %}"
+    "{%- if message['role'] == 'assistant' and not message['tool_calls'] %}"
+    "{%- if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' + message['content'] + "
+    "'<｜end▁of▁sentence｜>' }}{%- set ns.is_tool = false -%}"
+    "{%- else %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}"
+    "{%- if ns.is_output_first %}{{ '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + "
+    "message['content'] + '<｜tool▁output▁end｜>' }}{%- set ns.is_output_first = false %}"
+    "{%- else %}{{ '\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- endfor -%}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{ '<｜Assistant｜>' }}{% endif %}"
 )

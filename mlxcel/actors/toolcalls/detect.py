@@ -27,10 +27,10 @@ def detect(
         return ToolFormat.GLM45
     if "<|tool_calls_section_begin|>" in t:
         return ToolFormat.KIMI_K2
-    if "<｜tool▁sep｜>" in t and "```json" not in t:
+    if "<｜tool▁sep｜>" in t:
         # V3.1's NAME<｜tool▁sep｜>{json}; V3-0324 and R1 put the type before the separator and
-        # the arguments in a ```json fence, a syntax not parsed here (the generic format then).
-        return ToolFormat.DEEPSEEK_V31
+        # the arguments in a ```json fence.
+        return ToolFormat.DEEPSEEK_V3 if "```json" in t else ToolFormat.DEEPSEEK_V31
     if "<tool_call>" in t:
         return ToolFormat.HERMES
     if "[TOOL_CALLS]" in t:

@@ -33,6 +33,9 @@ class ToolFormat(enum.StrEnum):
     # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...
     # <｜tool▁calls▁end｜> (DeepSeek V3.1, V3.2-Exp chat templates).
     DEEPSEEK_V31 = "deepseek_v31"
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{json}\n```
+    # <｜tool▁call▁end｜>...<｜tool▁calls▁end｜> (DeepSeek V3-0324 and R1 chat templates).
+    DEEPSEEK_V3 = "deepseek_v3"
     # <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
     # <|tool_call_argument_begin|>{json}<|tool_call_end|>...<|tool_calls_section_end|> (Kimi K2).
     KIMI_K2 = "kimi_k2"
