@@ -75,7 +75,6 @@ FAMILIES = {
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n",
     ),
     "deepseek_v31": (
-        DEEPSEEK_V3_TOOLS,
         DEEPSEEK_V31_TOOLS,
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
         '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}',
