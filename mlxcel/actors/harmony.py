@@ -29,9 +29,13 @@ Piece = ReasoningDelta | TextDelta
 class HarmonySplitter:
     """Routes analysis to ReasoningDelta, answers to TextDelta and tool-call messages (framing
     included) to TextDelta for the call parser. Text outside any message (a model that does
-    not keep to the format) is content, with the whitespace between messages dropped."""
+    not keep to the format) is content, with the whitespace between messages dropped.
 
-    def __init__(self) -> None:
+    ``calls`` false (the request parses no calls: no tools, or ``tool_choice: none``): a call
+    message's body is content like any other, its framing dropped."""
+
+    def __init__(self, *, calls: bool = True) -> None:
+        self._calls = calls
         self._mode = "open"  # open | out | header | analysis | text | call
         self._buf = ""
         self._seen = False
@@ -128,7 +132,7 @@ class HarmonySplitter:
             self._mode = "out"
             return True
         header = self._buf[:i]
-        if recipient(header) is not None:
+        if recipient(header) is not None and self._calls:
             head = START + "assistant" + header if self._implicit else header
             out.append(TextDelta(head + MESSAGE))
             self._mode = "call"

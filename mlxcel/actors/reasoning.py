@@ -53,7 +53,8 @@ class ReasoningFormat:
         i = prompt.rfind(self.start)
         return i >= 0 and i > prompt.rfind(self.end) and not prompt[i + len(self.start) :].strip()
 
-    def splitter(self, *, starts_open: bool = False) -> Splitter:
+    def splitter(self, *, starts_open: bool = False, calls: bool = True) -> Splitter:
+        """``calls``: a tool-call parser reads what the splitter passes on as content."""
         return ReasoningSplitter(self.start, self.end, starts_open=starts_open)
 
 
@@ -68,8 +69,8 @@ class HarmonyFormat(ReasoningFormat):
     def opened_by(self, prompt: str) -> bool:
         return False  # the generation prompt opens a message, never its channel
 
-    def splitter(self, *, starts_open: bool = False) -> Splitter:
-        return HarmonySplitter()
+    def splitter(self, *, starts_open: bool = False, calls: bool = True) -> Splitter:
+        return HarmonySplitter(calls=calls)
 
 
 def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:

@@ -129,12 +129,14 @@ class Streamer:
         self._streams[msg.request_id] = streams
 
     def _pipeline(self, msg: OpenStream, choice: int) -> _Stream:
-        splitter = None
-        if self._reasoning is not None:
-            splitter = self._reasoning.splitter(starts_open=msg.reasoning_open)
         parser = None
         if msg.parse_tools and self._tool_format is not None:
             parser = make_parser(self._tool_format, tools=msg.tools)
+        splitter = None
+        if self._reasoning is not None:
+            splitter = self._reasoning.splitter(
+                starts_open=msg.reasoning_open, calls=parser is not None
+            )
         return _Stream(
             msg.slot,
             choice,

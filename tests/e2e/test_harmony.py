@@ -256,3 +256,33 @@ def test_an_earlier_call_its_reasoning_and_result_render_as_the_template_writes_
     with anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0) as c:
         fewer = c.messages.count_tokens(model="default", messages=plain, tools=CLAUDE_TOOLS)
     assert fewer.input_tokens < counted.input_tokens
+
+
+CALL_MESSAGE = (
+    'start: <|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> '
+    '"{\\"city\\": \\"Oslo\\"}" <|call|>\n'
+)
+
+
+@pytest.mark.parametrize("tools", [None, "none"])
+def test_a_call_nobody_parses_is_content_without_markup(
+    server: ServerProcess, tools: str | None
+) -> None:
+    """No tools offered, or ``tool_choice: none``: a call the model writes anyway comes back as
+    its arguments in content, never as harmony markup, streamed and not."""
+    body: dict[str, Any] = {
+        "model": "default",
+        "messages": ASK,
+        "max_tokens": 50,
+        "extra_body": {"grammar": CALL_MESSAGE},
+    }
+    if tools:
+        body |= {"tools": TOOLS, "tool_choice": tools}
+    with _client(server) as client:
+        whole = client.chat.completions.create(**body)
+        chunks = list(client.chat.completions.create(**body, stream=True))
+    choice = whole.choices[0]
+    assert choice.message.content == '{"city": "Oslo"}'
+    assert not choice.message.tool_calls and choice.finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == choice.message.content

@@ -93,6 +93,20 @@ def test_every_split_point_gives_the_same_channels(
         assert "<|" not in part
 
 
+def test_without_call_parsing_a_call_message_is_content_without_its_framing() -> None:
+    """``tool_choice: none`` (or no tools): a call the model writes anyway is shown as its
+    arguments, never as harmony markup."""
+    text = (
+        "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>commentary "
+        f"to=functions.get_weather <|constrain|>json<|message|>{CALL}<|call|>"
+    )
+    for chunks in ([text], list(text)):
+        splitter = HarmonyFormat().splitter(calls=False)
+        pieces = [p for c in chunks for p in splitter.feed(c)] + splitter.finish()
+        assert "".join(p.text for p in pieces if isinstance(p, TextDelta)) == CALL
+        assert "".join(p.text for p in pieces if isinstance(p, ReasoningDelta)) == "Hm."
+
+
 def test_a_call_cut_by_the_budget_keeps_its_arguments_so_far() -> None:
     parser = make_parser(ToolFormat.GPT_OSS, new_id=lambda: "call_1")
     head = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
