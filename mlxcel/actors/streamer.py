@@ -18,7 +18,7 @@ import trio
 
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
 from mlxcel.actors.loops import LoopDetector
-from mlxcel.actors.reasoning import HarmonyFormat, ReasoningDelta, ReasoningFormat, Splitter
+from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, Splitter
 from mlxcel.actors.toolcalls import (
     MARKER_TEXTS,
     Parser,
@@ -27,6 +27,7 @@ from mlxcel.actors.toolcalls import (
     ToolFormat,
     make_parser,
 )
+from mlxcel.actors.toolcalls.harmony import CHANNEL
 from mlxcel.actors.toolcalls.harmony import TOKENS as HARMONY_TOKENS
 from mlxcel.runtime.errors import InternalError
 from mlxcel.runtime.messages import (
@@ -47,14 +48,15 @@ log = logging.getLogger(__name__)
 MARKERS = MARKER_TEXTS | {"<think>", "</think>"}
 
 
-def hidden_special_tokens(tokenizer: Any, *, harmony: bool = False) -> frozenset[int] | None:
-    """Ids of the special tokens to leave out of output text: all but the parsers' markers
-    (with ``harmony``, gpt-oss's framing tokens too: its channels are read from them; other
-    models' tokens of the same spelling stay hidden)."""
+def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:
+    """Ids of the special tokens to leave out of output text: all but the parsers' markers,
+    and in a harmony vocabulary (gpt-oss: <|channel|> is a token) all of harmony's framing,
+    which its channels are read from (other vocabularies' <|end|> stays hidden)."""
     added = getattr(tokenizer, "added_tokens_decoder", None)
     if not isinstance(added, dict):
         return None
-    keep = MARKERS | set(HARMONY_TOKENS) if harmony else MARKERS
+    special = {str(t) for t in added.values() if getattr(t, "special", False)}
+    keep = MARKERS | set(HARMONY_TOKENS) if CHANNEL in special else MARKERS
     return frozenset(
         i for i, t in added.items() if getattr(t, "special", False) and str(t) not in keep
     )
@@ -93,8 +95,7 @@ class Streamer:
         self._aborts = aborts
         self._reasoning = reasoning
         self._tool_format = tool_format
-        harmony = isinstance(reasoning, HarmonyFormat) or tool_format is ToolFormat.GPT_OSS
-        self._hidden = hidden_special_tokens(tokenizer, harmony=harmony)
+        self._hidden = hidden_special_tokens(tokenizer)
         # Per request, its choices' pipelines; None once a choice has finished.
         self._streams: dict[str, list[_Stream | None]] = {}
 
