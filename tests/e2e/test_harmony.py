@@ -257,6 +257,29 @@ def test_an_earlier_call_its_reasoning_and_result_render_as_the_template_writes_
         fewer = c.messages.count_tokens(model="default", messages=plain, tools=CLAUDE_TOOLS)
     assert fewer.input_tokens < counted.input_tokens
 
+    # Responses: a reasoning item before the call reaches the prompt too.
+    def items(thought: list[Any]) -> list[Any]:
+        return [
+            {"role": "user", "content": ASK[0]["content"]},
+            *thought,
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "RESULT: sunny"},
+        ]  # fmt: skip
+
+    reasoning_item = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "Look it up in the weather service."}],
+    }
+    rkw: dict[str, Any] = {"model": "default", "max_output_tokens": 16, "store": False}
+    with _client(server) as client:
+        with_thought = client.responses.create(**rkw, input=items([reasoning_item]))
+        without = client.responses.create(**rkw, input=items([]))
+    assert with_thought.usage and without.usage
+    assert with_thought.usage.input_tokens > without.usage.input_tokens
+
 
 CALL_MESSAGE = (
     'start: <|channel|> "commentary to=functions.get_weather " <|constrain|> "json" <|message|> '
