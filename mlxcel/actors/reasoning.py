@@ -78,7 +78,9 @@ def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
     t = chat_template or ""
     if CHANNEL in t and MESSAGE in t:
         return HarmonyFormat()
-    if "<think>" in t or "enable_thinking" in t:
+    # DeepSeek R1's first template only cuts "</think>" out of earlier answers: the model
+    # still opens its thinking with <think>.
+    if "<think>" in t or "</think>" in t or "enable_thinking" in t:
         return ReasoningFormat()
     return None
 
