@@ -37,7 +37,9 @@ TOOL_FORMATS = [
     "qwen3_coder",
     "glm45",
     "deepseek_v31",
+    "deepseek_v3",
     "kimi_k2",
+    "gpt_oss",
     "none",
 ]
 _TRUE = {"1", "true", "yes", "on", "enabled"}

@@ -155,8 +155,11 @@ def tool_call_lark(
     tools: Sequence[Mapping[str, Any]],
     fmt: ToolFormat,
     special: Mapping[str, int],
+    *,
+    think: bool = True,
 ) -> str:
-    """The Lark grammar for one call (or, with ``parallel``, one or more) in ``fmt``."""
+    """The Lark grammar for one call (or, with ``parallel``, one or more) in ``fmt``; ``think``:
+    a format that reasons in the output itself (gpt-oss) may do so before the call."""
     calls = _tool_index(tools, forced.names)
     many = forced.parallel
 
@@ -190,8 +193,12 @@ def tool_call_lark(
             return section_grammars.glm45(calls, many, marker, special, JSON_OPTIONS)
         case ToolFormat.DEEPSEEK_V31:
             return section_grammars.deepseek_v31(calls, many, marker, JSON_OPTIONS)
+        case ToolFormat.DEEPSEEK_V3:
+            return section_grammars.deepseek_v3(calls, many, marker, JSON_OPTIONS)
         case ToolFormat.KIMI_K2:
             return section_grammars.kimi_k2(calls, many, marker, JSON_OPTIONS)
+        case ToolFormat.GPT_OSS:
+            return section_grammars.gpt_oss(calls, marker, special, JSON_OPTIONS, think=think)
         case ToolFormat.GENERIC:
             raise AssertionError("the generic format has its own grammar")
         case _:
@@ -241,8 +248,10 @@ def grammar_for(
     tools: Sequence[Mapping[str, Any]] | None,
     tool_format: ToolFormat | None,
     special: Mapping[str, int],
+    think: bool = True,
 ) -> str:
-    """The llguidance grammar for a request's constraint; InvalidRequest names the field."""
+    """The llguidance grammar for a request's constraint; InvalidRequest names the field.
+    ``think`` false: the request turned thinking off (a thinking budget of 0)."""
     match constraint:
         case JsonSchemaFormat(schema_json=schema):
             return schema_grammar(schema)
@@ -260,7 +269,7 @@ def grammar_for(
                 return generic_tool_grammar(
                     tools, constraint.names, parallel=constraint.parallel, required=True
                 )
-            lark = tool_call_lark(constraint, tools, tool_format, special)
+            lark = tool_call_lark(constraint, tools, tool_format, special, think=think)
             return _check(LLMatcher.grammar_from_lark(lark), "tools")
         case LarkGrammar(lark=lark):
             return _check(LLMatcher.grammar_from_lark(lark), "grammar")

@@ -6,17 +6,39 @@ splitter, so ``reasoning_content`` is identical in both, whatever the chunking.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import attrs
 
+from mlxcel.actors.harmony import HarmonySplitter
 from mlxcel.actors.toolcalls._stream import held_prefix
-from mlxcel.actors.toolcalls.events import TextDelta
+from mlxcel.actors.toolcalls.events import ReasoningDelta, TextDelta
+from mlxcel.actors.toolcalls.harmony import CHANNEL, END, MESSAGE
+
+__all__ = [
+    "HarmonyFormat",
+    "ReasoningDelta",
+    "ReasoningFormat",
+    "ReasoningSplitter",
+    "Splitter",
+    "ThinkingBudget",
+    "detect_reasoning",
+    "split_complete",
+]
 
 
-@attrs.frozen
-class ReasoningDelta:
-    """Thinking text, for ``reasoning_content`` (and its ``reasoning`` mirror)."""
+class Splitter(Protocol):
+    """What the streamer drives: text in, thinking and answer pieces out."""
 
-    text: str
+    @property
+    def in_reasoning(self) -> bool: ...
+
+    @property
+    def saw_reasoning(self) -> bool: ...
+
+    def feed(self, delta: str) -> list[ReasoningDelta | TextDelta]: ...
+
+    def finish(self) -> list[ReasoningDelta | TextDelta]: ...
 
 
 @attrs.frozen
@@ -31,14 +53,34 @@ class ReasoningFormat:
         i = prompt.rfind(self.start)
         return i >= 0 and i > prompt.rfind(self.end) and not prompt[i + len(self.start) :].strip()
 
-    def splitter(self, *, starts_open: bool = False) -> ReasoningSplitter:
+    def splitter(self, *, starts_open: bool = False, calls: bool = True) -> Splitter:
+        """``calls``: a tool-call parser reads what the splitter passes on as content."""
         return ReasoningSplitter(self.start, self.end, starts_open=starts_open)
+
+
+@attrs.frozen
+class HarmonyFormat(ReasoningFormat):
+    """gpt-oss: thinking is the ``analysis`` channel's message (start and end are what the
+    thinking budget and the grammar guide match); the splitter reads every channel."""
+
+    start: str = f"{CHANNEL}analysis{MESSAGE}"
+    end: str = END
+
+    def opened_by(self, prompt: str) -> bool:
+        return False  # the generation prompt opens a message, never its channel
+
+    def splitter(self, *, starts_open: bool = False, calls: bool = True) -> Splitter:
+        return HarmonySplitter(calls=calls)
 
 
 def detect_reasoning(chat_template: str | None) -> ReasoningFormat | None:
     """The thinking markup a template uses, None for templates that do not think."""
     t = chat_template or ""
-    if "<think>" in t or "enable_thinking" in t:
+    if CHANNEL in t and MESSAGE in t:
+        return HarmonyFormat()
+    # DeepSeek R1's first template only cuts "</think>" out of earlier answers: the model
+    # still opens its thinking with <think>.
+    if "<think>" in t or "</think>" in t or "enable_thinking" in t:
         return ReasoningFormat()
     return None
 

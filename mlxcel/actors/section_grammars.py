@@ -1,5 +1,6 @@
-"""Forced-call Lark grammars for the formats of ``toolcalls.xml_args`` and
-``toolcalls.sections`` (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2); ``grammars`` picks one.
+"""Forced-call Lark grammars for the formats of ``toolcalls.xml_args``, ``toolcalls.sections``
+and ``toolcalls.harmony`` (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2, gpt-oss); ``grammars``
+picks one.
 
 The JSON formats constrain a call's arguments with ``%json`` on the tool's schema. The XML
 formats write each argument as its own tagged value, so each parameter gets its own rule: a
@@ -18,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mlxcel.actors.json_schemas import close_schema
+from mlxcel.actors.toolcalls import harmony
 from mlxcel.actors.toolcalls.xml_args import glm45_value, qwen3_coder_text, qwen3_coder_value
 
 # The most calls one forced answer may hold (parallel calls allowed): without a bound a model
@@ -26,6 +28,10 @@ from mlxcel.actors.toolcalls.xml_args import glm45_value, qwen3_coder_text, qwen
 MAX_PARALLEL_CALLS = 16
 # The grammar's repetition of the calls after the first.
 MORE_CALLS = f"{{0,{MAX_PARALLEL_CALLS - 1}}}"
+# gpt-oss thinks (its analysis channel) before it calls; a forced call lets it, up to this many
+# characters (about 1,000 tokens), then the call must follow. Documented in
+# docs/reference/http-api.md.
+MAX_ANALYSIS_CHARS = 4000
 
 Marker = Callable[[str], str]  # a format marker as a grammar item (its special token or text)
 
@@ -208,6 +214,34 @@ def deepseek_v31(
     )
 
 
+def deepseek_v3(
+    calls: list[tuple[str, Any]],
+    parallel: bool,
+    marker: Marker,
+    options: Mapping[str, Any],
+) -> str:
+    """``<｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{json}
+    \\n```<｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>``, the calls apart by a newline as the V3-0324
+    and R1 templates write them."""
+    rules = _Rules()
+    sep = marker("<｜tool▁sep｜>")
+    fence, close = _lit("\n```json\n"), _lit("\n```")
+    alts = [
+        rules.add(f"{_lit('function')} {sep} {_lit(name)} {fence} "
+                  f"{rules.add(json_rule(p, options))} {close}")
+        for name, p in calls
+    ]  # fmt: skip
+    call = f"{marker('<｜tool▁call▁begin｜>')} ({' | '.join(alts)}) {marker('<｜tool▁call▁end｜>')}"
+    return _section(
+        rules,
+        call,
+        parallel,
+        marker("<｜tool▁calls▁begin｜>"),
+        marker("<｜tool▁calls▁end｜>"),
+        between=_lit("\n"),
+    )
+
+
 def kimi_k2(
     calls: list[tuple[str, Any]],
     parallel: bool,
@@ -233,8 +267,51 @@ def kimi_k2(
     )
 
 
-def _section(rules: _Rules, call: str, parallel: bool, begin: str, end: str) -> str:
-    body = f"call{{1,{MAX_PARALLEL_CALLS}}}" if parallel else "call"
+def gpt_oss(
+    calls: list[tuple[str, Any]],
+    marker: Marker,
+    special: Mapping[str, int],
+    options: Mapping[str, Any],
+    *,
+    think: bool = True,
+) -> str:
+    """An optional ``<|channel|>analysis<|message|>...<|end|><|start|>assistant`` (with
+    ``think``: the request did not turn thinking off), then
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{json}<|call|>``.
+
+    One call, parallel or not: harmony writes a call per message and gpt-oss's template renders
+    only an assistant turn's first call back into the prompt."""
+    rules = _Rules()
+    end = harmony.END
+    # Bounded where <|end|> is a token of its own (gpt-oss's vocabulary); a bound on text that
+    # must also end in <|end|>'s spelling is past what llguidance's lexer can check.
+    bound = {"maxLength": MAX_ANALYSIS_CHARS} if end in special else {}
+    text = rules.add(_raw_text(end, end in special, bound), terminal=True)
+    closed = f"{text} {marker(end)}" if end in special else text
+    analysis = (
+        f"{marker(harmony.CHANNEL)} {_lit('analysis')} {marker(harmony.MESSAGE)} {closed} "
+        f"{marker(harmony.START)} {_lit('assistant')}"
+    )
+    head = f"{_lit('json')} {marker(harmony.MESSAGE)}"
+    alts = [
+        rules.add(f"{_lit(f'commentary to=functions.{name} ')} {marker(harmony.CONSTRAIN)} "
+                  f"{head} {rules.add(json_rule(p, options))}")
+        for name, p in calls
+    ]  # fmt: skip
+    call = f"{marker(harmony.CHANNEL)} ({' | '.join(alts)}) {marker(harmony.CALL)}"
+    start = "start: analysis? call" if think else "start: call"
+    return "\n".join([start, f"analysis: {analysis}", f"call: {call}", *rules.lines]) + "\n"
+
+
+def _section(
+    rules: _Rules, call: str, parallel: bool, begin: str, end: str, between: str = ""
+) -> str:
+    if not parallel:
+        body = "call"
+    elif between:
+        body = f"call ({between} call){MORE_CALLS}"
+    else:
+        body = f"call{{1,{MAX_PARALLEL_CALLS}}}"
     return "\n".join([f"start: {begin} {body} {end}", f"call: {call}", *rules.lines]) + "\n"
 
 

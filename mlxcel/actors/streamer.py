@@ -18,7 +18,7 @@ import trio
 
 from mlxcel.actors.detok import IncrementalDetokenizer, StopMatcher
 from mlxcel.actors.loops import LoopDetector
-from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, ReasoningSplitter
+from mlxcel.actors.reasoning import ReasoningDelta, ReasoningFormat, Splitter
 from mlxcel.actors.toolcalls import (
     MARKER_TEXTS,
     Parser,
@@ -27,6 +27,8 @@ from mlxcel.actors.toolcalls import (
     ToolFormat,
     make_parser,
 )
+from mlxcel.actors.toolcalls.harmony import CHANNEL
+from mlxcel.actors.toolcalls.harmony import TOKENS as HARMONY_TOKENS
 from mlxcel.runtime.errors import InternalError
 from mlxcel.runtime.messages import (
     CloseStream,
@@ -47,12 +49,16 @@ MARKERS = MARKER_TEXTS | {"<think>", "</think>"}
 
 
 def hidden_special_tokens(tokenizer: Any) -> frozenset[int] | None:
-    """Ids of the special tokens to leave out of output text: all but the parsers' markers."""
+    """Ids of the special tokens to leave out of output text: all but the parsers' markers,
+    and in a harmony vocabulary (gpt-oss: <|channel|> is a token) all of harmony's framing,
+    which its channels are read from (other vocabularies' <|end|> stays hidden)."""
     added = getattr(tokenizer, "added_tokens_decoder", None)
     if not isinstance(added, dict):
         return None
+    special = {str(t) for t in added.values() if getattr(t, "special", False)}
+    keep = MARKERS | set(HARMONY_TOKENS) if CHANNEL in special else MARKERS
     return frozenset(
-        i for i, t in added.items() if getattr(t, "special", False) and str(t) not in MARKERS
+        i for i, t in added.items() if getattr(t, "special", False) and str(t) not in keep
     )
 
 
@@ -62,7 +68,7 @@ class _Stream:
     choice: int
     detok: IncrementalDetokenizer
     stops: StopMatcher
-    reasoning: ReasoningSplitter | None = None
+    reasoning: Splitter | None = None
     tools: Parser | None = None
     single_call: bool = False
     calls: int = 0
@@ -124,12 +130,14 @@ class Streamer:
         self._streams[msg.request_id] = streams
 
     def _pipeline(self, msg: OpenStream, choice: int) -> _Stream:
-        splitter = None
-        if self._reasoning is not None:
-            splitter = self._reasoning.splitter(starts_open=msg.reasoning_open)
         parser = None
         if msg.parse_tools and self._tool_format is not None:
             parser = make_parser(self._tool_format, tools=msg.tools)
+        splitter = None
+        if self._reasoning is not None:
+            splitter = self._reasoning.splitter(
+                starts_open=msg.reasoning_open, calls=parser is not None
+            )
         return _Stream(
             msg.slot,
             choice,

@@ -14,7 +14,8 @@ from typing import Any, assert_never
 import trio
 
 from mlxcel.actors import grammars
-from mlxcel.actors.reasoning import ReasoningFormat
+from mlxcel.actors.harmony import harmony_history
+from mlxcel.actors.reasoning import HarmonyFormat, ReasoningFormat
 from mlxcel.actors.toolcalls import ToolFormat, generic
 from mlxcel.actors.toolcalls.sections import kimi_history_ids
 from mlxcel.runtime.errors import ContextOverflow, InternalError, InvalidRequest, MlxcelError
@@ -132,7 +133,11 @@ class TokenizerActor:
             self._special = grammars.special_tokens(self._tok)
         tools = request.prompt.tools if isinstance(request.prompt, ChatPrompt) else None
         return grammars.grammar_for(
-            request.constraint, tools=tools, tool_format=self._tool_format, special=self._special
+            request.constraint,
+            tools=tools,
+            tool_format=self._tool_format,
+            special=self._special,
+            think=request.thinking_budget != 0,
         )
 
     @property
@@ -174,6 +179,8 @@ class TokenizerActor:
                     extra["tools"] = list(tools)
                 if self._tool_format is ToolFormat.KIMI_K2:
                     messages = tuple(kimi_history_ids(messages))
+                if isinstance(self._reasoning, HarmonyFormat):
+                    messages = tuple(harmony_history(messages))
                 # A final assistant turn to continue (an Anthropic prefill) replaces the new one.
                 add_generation = not extra.get("continue_final_message", False)
                 try:

@@ -23,10 +23,14 @@ import openai
 import pytest
 
 from mlxcel.actors.section_grammars import MAX_PARALLEL_CALLS
+from mlxcel.actors.toolcalls.harmony import CALL, RETURN
+from mlxcel.actors.toolcalls.harmony import TOKENS as HARMONY_TOKENS
 from tests.conftest import ServerProcess
 from tests.support.templates import (
+    DEEPSEEK_V3_TOOLS,
     DEEPSEEK_V31_TOOLS,
     GLM45_TOOLS,
+    GPT_OSS_TOOLS,
     KIMI_K2_TOOLS,
     QWEN3_CODER_TOOLS,
 )
@@ -75,11 +79,42 @@ FAMILIES = {
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
         '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}',
     ),
+    "deepseek_v3": (
+        DEEPSEEK_V3_TOOLS,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{",
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Oslo", "days": 2}\n```<｜tool▁call▁end｜>',
+    ),
     "kimi_k2": (
         KIMI_K2_TOOLS,
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:",
         '<|tool_call_begin|>CALL_ID<|tool_call_argument_begin|>{"city": "Oslo", "days": 2}',
     ),
+    # The forced call may think first (an analysis message); its call is in the model's own
+    # spelling, the history in the template's.
+    "gpt_oss": (
+        GPT_OSS_TOOLS,
+        "<|channel|>",
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Oslo", "days": 2}<|call|>',
+    ),
+}
+# Families whose markers are special tokens of the tiny model's vocabulary (as in the real
+# one), with those that end generation: gpt-oss stops on <|call|> and <|return|>.
+SPECIAL_TOKENS = {"gpt_oss": (HARMONY_TOKENS, (CALL, RETURN))}
+# The text of a forced call in each family's own syntax, once any thinking before it is done.
+# Greedy decoding on random weights thinks to its limit: where a test needs a greedy call within
+# a small budget, thinking is turned off (Anthropic thinking disabled, Responses effort none, a
+# chat thinking budget of 0).
+NO_THINKING = {
+    "gpt_oss": (
+        {"thinking": {"type": "disabled"}},
+        {"reasoning": {"effort": "none"}},
+        {"extra_body": {"thinking_budget_tokens": 0}},
+    ),
+}
+CALL_TEXT = {
+    "gpt_oss": "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{",
 }
 
 
@@ -88,7 +123,13 @@ def family(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, ServerProcess]]:
     name = request.param
-    model = build_tiny_model(tmp_path_factory.mktemp(name) / name, chat_template=FAMILIES[name][0])
+    special, eos = SPECIAL_TOKENS.get(name, ((), ()))
+    model = build_tiny_model(
+        tmp_path_factory.mktemp(name) / name,
+        chat_template=FAMILIES[name][0],
+        special_tokens=special,
+        eos_tokens=eos,
+    )
     server = ServerProcess(["-m", str(model), "--parallel", "2"])
     yield name, server
     server.stop()
@@ -138,6 +179,8 @@ def test_a_forced_call_is_written_in_the_family_syntax_and_parsed(
     # Token bytes, not token strings: DeepSeek's markers split inside UTF-8 characters.
     raw = b"".join(bytes(t.bytes or []) for t in choice.logprobs.content).decode()
     assert raw.startswith(FAMILIES[name][1]), raw
+    if name in CALL_TEXT:
+        assert CALL_TEXT[name] in raw, raw
     # OpenAI's id syntax on every family, Kimi's too (the model wrote functions.NAME:IDX).
     assert re.fullmatch(r"call_[0-9a-f]{24}", calls[0].id), calls[0].id
 
@@ -221,7 +264,8 @@ def test_anthropic_and_responses_streams_assemble_to_the_same_calls(
 ) -> None:
     """Anthropic's ``input_json_delta`` and Responses' ``function_call_arguments.delta`` carry
     the same calls as their non-streamed answers (greedy, so both runs write the same)."""
-    _, server = family
+    name, server = family
+    quiet, rquiet, _ = NO_THINKING.get(name, ({}, {}, {}))
     claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     kw: dict[str, Any] = {
         "model": "default",
@@ -234,6 +278,7 @@ def test_anthropic_and_responses_streams_assemble_to_the_same_calls(
         ],
         # One call: greedy decoding on random weights may otherwise repeat calls to the end.
         "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        **quiet,
     }
     with claude:
         whole = claude.messages.create(**kw)
@@ -259,6 +304,7 @@ def test_anthropic_and_responses_streams_assemble_to_the_same_calls(
         "tools": tools,
         "tool_choice": "required",
         "parallel_tool_calls": False,
+        **rquiet,
     }
     with _client(server) as client:
         response = client.responses.create(**rkw)
@@ -277,6 +323,7 @@ def test_ids_look_like_each_family_and_round_trip(family: tuple[str, ServerProce
     syntax (Kimi K2 writes ``functions.NAME:IDX``); sent back with the result, they reach the
     template as the model's own syntax, and the next turn is served."""
     name, server = family
+    quiet, rquiet, _ = NO_THINKING.get(name, ({}, {}, {}))
     claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     tools: list[Any] = [
         {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
@@ -287,6 +334,7 @@ def test_ids_look_like_each_family_and_round_trip(family: tuple[str, ServerProce
         "extra_body": {"temperature": 0},
         "tools": tools,
         "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        **quiet,
     }
     with claude:
         first = claude.messages.create(**kw, messages=ASK)
@@ -322,6 +370,7 @@ def test_ids_look_like_each_family_and_round_trip(family: tuple[str, ServerProce
         "tool_choice": "required",
         "parallel_tool_calls": False,
         "store": False,
+        **rquiet,
     }
     with _client(server) as client:
         r = client.responses.create(**rkw, input=ASK[0]["content"])
@@ -361,7 +410,8 @@ def test_parallel_forced_calls_end_at_the_cap_or_at_one(
             tools=[{"type": "function", **t["function"]} for t in TOOLS],
             tool_choice="required", parallel_tool_calls=False, store=False,
         )  # fmt: skip
-    assert [i.type for i in responses.output] == ["function_call"]
+    # (gpt-oss thinks first: its analysis is a reasoning item, a thinking block)
+    assert [i.type for i in responses.output if i.type != "reasoning"] == ["function_call"]
     claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     with claude:
         message = claude.messages.create(
@@ -371,7 +421,7 @@ def test_parallel_forced_calls_end_at_the_cap_or_at_one(
             tool_choice={"type": "any", "disable_parallel_tool_use": True},
         )  # fmt: skip
     assert message.stop_reason == "tool_use"
-    assert [b.type for b in message.content] == ["tool_use"]
+    assert [b.type for b in message.content if b.type != "thinking"] == ["tool_use"]
 
 
 def test_a_call_cut_by_max_tokens_shows_no_raw_format_text(
@@ -381,7 +431,11 @@ def test_a_call_cut_by_max_tokens_shows_no_raw_format_text(
     format's markers as content, and (formats whose arguments are JSON text) the call as far
     as it got, streamed and not alike."""
     name, server = family
-    one = _forced({"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    one = _forced(
+        {"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        **NO_THINKING.get(name, ({}, {}, {}))[2],
+    )
     with _client(server) as client:
         full = client.chat.completions.create(**one, logprobs=True)
         assert full.choices[0].message.tool_calls and full.choices[0].logprobs
@@ -404,7 +458,7 @@ def test_a_call_cut_by_max_tokens_shows_no_raw_format_text(
     )
     assert not streamed_text
     calls = choice.message.tool_calls or []
-    if name in ("deepseek_v31", "kimi_k2"):
+    if name in ("deepseek_v31", "deepseek_v3", "kimi_k2", "gpt_oss"):
         assert [c.function.name for c in calls] == ["get_weather"]
         args = calls[0].function.arguments
         assert whole_args.startswith(args) and args != whole_args

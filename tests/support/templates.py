@@ -1,6 +1,6 @@
 """Chat templates for tiny test models: a Qwen 2.5-style tool template (Hermes ``<tool_call>``
 wire format), a Qwen3-style one whose generation prompt opens a ``<think>`` block, and one per
-tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, Kimi K2)."""
+tool-call family (Qwen3-Coder, GLM-4.5, DeepSeek V3.1, DeepSeek V3/R1, Kimi K2, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -220,4 +220,104 @@ KIMI_K2_TOOLS = (
     "{%- endif -%}<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+# gpt-oss (openai/gpt-oss-20b): harmony messages. Tools as a TypeScript namespace in the
+# developer message (parameters shown as their JSON schema here, where the published template
+# spells out TypeScript types), an earlier call as "<|start|>assistant to=functions.NAME
+# <|channel|>commentary json<|message|>{args}<|call|>" after its analysis (kept only while no
+# final answer follows), results as "<|start|>functions.NAME to=assistant<|channel|>commentary
+# <|message|>" + the result as a JSON string, earlier answers' analysis dropped.
+GPT_OSS_TOOLS = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\n\nReasoning: {{ reasoning_effort or 'medium' }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'."
+    "{%- endif %}<|end|>"
+    "{%- if messages[0].role in ('developer', 'system') %}"
+    "{%- set developer_message = messages[0].content %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set developer_message = '' %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if developer_message or tools %}<|start|>developer<|message|>"
+    "{%- if developer_message %}# Instructions\n\n{{ developer_message }}\n\n{%- endif %}"
+    "{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {\n\n"
+    "{%- for tool in tools %}{%- set tool = tool.function if tool.function else tool %}"
+    "// {{ tool.description }}\ntype {{ tool.name }} = (_: {{ tool.parameters | tojson }}) => any;"
+    "\n\n{%- endfor %}} // namespace functions{%- endif %}<|end|>{%- endif %}"
+    "{%- set last_tool_call = namespace(name=none) %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- if message.tool_calls %}"
+    "{%- set future_final = namespace(found=false) %}"
+    "{%- for later in loop_messages[loop.index:] %}"
+    "{%- if later.role == 'assistant' and not later.tool_calls %}"
+    "{%- set future_final.found = true %}{%- endif %}{%- endfor %}"
+    "{%- set tool_call = message.tool_calls[0] %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if message.content and message.thinking %}"
+    "{{- raise_exception('Cannot pass both content and thinking in an assistant message with "
+    "tool calls!') }}"
+    "{%- elif message.content and not future_final.found %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.content }}<|end|>"
+    "{%- elif message.thinking and not future_final.found %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{%- endif %}"
+    "<|start|>assistant to=functions.{{ tool_call.name }}<|channel|>commentary json<|message|>"
+    "{{ tool_call.arguments | tojson }}<|call|>"
+    "{%- set last_tool_call.name = tool_call.name %}"
+    "{%- else %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ message.content }}<|end|>"
+    "{%- set last_tool_call.name = none %}"
+    "{%- endif %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if last_tool_call.name is none %}"
+    "{{- raise_exception('Message has tool role, but there was no previous assistant message "
+    "with a tool call!') }}{%- endif %}"
+    "<|start|>functions.{{ last_tool_call.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ message.content | tojson }}<|end|>"
+    "{%- elif message.role == 'user' %}<|start|>user<|message|>{{ message.content }}<|end|>"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+
+# DeepSeek V3-0324 / R1: calls as TYPE<｜tool▁sep｜>NAME and the arguments *string* in a ```json
+# fence, calls after the first on a new line; results between tool-output markers. The published
+# template shows no tool list (clients describe tools in the system prompt), nor does this one.
+_DEEPSEEK_V3_CALL = (
+    "'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + "
+    "'\\n' + '```json' + '\\n' + tool['function']['arguments'] + '\\n' + '```' + "
+    "'<｜tool▁call▁end｜>'"
+)
+DEEPSEEK_V3_TOOLS = (
+    "{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, "
+    "system_prompt='') %}"
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}"
+    "{% set ns.system_prompt = ns.system_prompt + message['content'] %}{%- endif %}{%- endfor %}"
+    "<｜begin▁of▁sentence｜>{{ ns.system_prompt }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}"
+    "{{ '<｜User｜>' + message['content'] }}{%- endif %}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{%- set ns.is_tool = false -%}"
+    "{%- for tool in message['tool_calls'] %}"
+    "{%- if not ns.is_first %}"
+    "{{ '<｜Assistant｜>' + (message['content'] or '') + '<｜tool▁calls▁begin｜>' + "
+    + _DEEPSEEK_V3_CALL
+    + " }}{%- set ns.is_first = true -%}"
+    "{%- else %}{{ '\\n' + " + _DEEPSEEK_V3_CALL + " }}{%- endif %}"
+    "{%- endfor %}{{ '<｜tool▁calls▁end｜><｜end▁of▁sentence｜>' }}"
+    "{%- endif %}"
+    "{%- if message['role'] == 'assistant' and not message['tool_calls'] %}"
+    "{%- if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' + message['content'] + "
+    "'<｜end▁of▁sentence｜>' }}{%- set ns.is_tool = false -%}"
+    "{%- else %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}"
+    "{%- if ns.is_output_first %}{{ '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + "
+    "message['content'] + '<｜tool▁output▁end｜>' }}{%- set ns.is_output_first = false %}"
+    "{%- else %}{{ '\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- endfor -%}"
+    "{% if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
+    "{% if add_generation_prompt and not ns.is_tool %}{{ '<｜Assistant｜>' }}{% endif %}"
 )

@@ -40,8 +40,7 @@ TINY_CONFIG: dict[str, Any] = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def _shapes() -> list[tuple[str, tuple[int, ...]]]:
-    c = TINY_CONFIG
+def _shapes(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     q_dims = c["num_attention_heads"] * c["head_dim"]
     kv_dims = c["num_key_value_heads"] * c["head_dim"]
@@ -62,14 +61,14 @@ def _shapes() -> list[tuple[str, tuple[int, ...]]]:
     return [*shapes, ("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
 
 
-def _random_weights(seed: int) -> dict[str, mx.array]:
+def _random_weights(seed: int, config: dict[str, Any]) -> dict[str, mx.array]:
     import numpy as np
 
     # numpy's seeded generator gives the same numbers on every machine;
     # mlx_lm loads strictly, so a wrong name or shape fails loudly.
     rng = np.random.default_rng(seed)
     weights: dict[str, mx.array] = {}
-    for name, shape in _shapes():
+    for name, shape in _shapes(config):
         if name.endswith("norm.weight"):
             array = np.ones(shape, dtype=np.float32)
         else:
@@ -85,13 +84,17 @@ def build_tiny_model(
     cache_dir: Path | None = None,
     seed: int = 0,
     dtype: str = "float32",
+    special_tokens: tuple[str, ...] = (),
+    eos_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write the tiny model folder into ``dest`` (created) and return ``dest``.
 
     ``dtype`` is the precision the weights are stored in ("float32", "bfloat16", ...).
     The tokenizer files come from the cached conversion of the packaged
     SmolLM2 GGUF (``cache_dir`` defaults to ``$MLXCEL_CACHE_DIR``), and so does
-    the chat template unless ``chat_template`` is given.
+    the chat template unless ``chat_template`` is given. ``special_tokens`` are added to the
+    vocabulary (after SmolLM2's, the embeddings grown to match) as a family's real tokenizer
+    has them; those in ``eos_tokens`` end generation too.
     """
     source = resolve_model(None, cache_dir).path
     dest.mkdir(parents=True, exist_ok=True)
@@ -105,7 +108,39 @@ def build_tiny_model(
             json.dumps(tokenizer_config, indent=2, ensure_ascii=False), encoding="utf-8"
         )
     config = {**TINY_CONFIG, "torch_dtype": dtype}
+    if special_tokens:
+        config = _add_special_tokens(dest, config, special_tokens, eos_tokens)
     (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    weights = {k: v.astype(getattr(mx, dtype)) for k, v in _random_weights(seed).items()}
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in _random_weights(seed, config).items()}
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     return dest
+
+
+def _add_special_tokens(
+    dest: Path, config: dict[str, Any], tokens: tuple[str, ...], eos: tuple[str, ...]
+) -> dict[str, Any]:
+    """Append ``tokens`` to the tokenizer as special tokens; the config with the vocabulary
+    (and, with ``eos``, the end-of-generation ids) that covers them."""
+    first = int(config["vocab_size"])
+    ids = {token: first + i for i, token in enumerate(tokens)}
+    path = dest / "tokenizer.json"
+    tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    entry = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+    tokenizer["added_tokens"] += [
+        {"id": i, "content": t, **entry, "special": True} for t, i in ids.items()
+    ]
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    config_path = dest / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
+    decoder = tokenizer_config.setdefault("added_tokens_decoder", {})
+    for t, i in ids.items():
+        decoder[str(i)] = {"content": t, **entry, "special": True}
+    config_path.write_text(
+        json.dumps(tokenizer_config, indent=2, ensure_ascii=False), encoding="utf-8"
+    )
+    eos_ids = [config["eos_token_id"], *(ids[t] for t in eos)]
+    if eos:
+        generation = dest / "generation_config.json"
+        gen = json.loads(generation.read_text(encoding="utf-8"))
+        generation.write_text(json.dumps({**gen, "eos_token_id": eos_ids}), encoding="utf-8")
+    return {**config, "vocab_size": first + len(tokens), "eos_token_id": eos_ids}

@@ -97,3 +97,23 @@ def test_every_tool_format_marker_stays_visible_when_it_is_a_special_token() -> 
         }
 
     assert hidden_special_tokens(Vocab()) == {len(markers)}
+
+
+def test_harmony_framing_stays_visible_only_in_a_harmony_vocabulary() -> None:
+    """gpt-oss's channels are read from its framing tokens; another vocabulary's <|end|> (or
+    <|start|>) is still hidden."""
+    from tokenizers import AddedToken
+
+    from mlxcel.actors.streamer import hidden_special_tokens
+    from mlxcel.actors.toolcalls.harmony import TOKENS
+
+    class Harmony:
+        added_tokens_decoder = {
+            i: AddedToken(t, special=True) for i, t in enumerate([*TOKENS, "<|endoftext|>"])
+        }
+
+    class Other:
+        added_tokens_decoder = {0: AddedToken("<|end|>", special=True)}
+
+    assert hidden_special_tokens(Harmony()) == {len(TOKENS)}
+    assert hidden_special_tokens(Other()) == {0}

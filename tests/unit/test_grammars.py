@@ -201,6 +201,12 @@ TAGGED_CALLS = {
         "<｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
         "<｜tool▁calls▁end｜>",
     ),
+    ToolFormat.DEEPSEEK_V3: (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜>',
+        "\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜>",
+        "<｜tool▁calls▁end｜>",
+    ),
     ToolFormat.KIMI_K2: (
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>',
@@ -260,6 +266,14 @@ TAGGED_BAD = {
         '"days": "3"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
         "<｜tool▁calls▁end｜>",
+    ],
+    ToolFormat.DEEPSEEK_V3: [
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n"
+        "```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", '
+        '"days": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',  # V3.1's syntax
     ],
     ToolFormat.KIMI_K2: [
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"

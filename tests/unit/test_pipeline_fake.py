@@ -451,6 +451,7 @@ def test_template_kwargs_are_passed_to_jinja(smollm_tokenizer: Any) -> None:
     actor = TokenizerActor.__new__(TokenizerActor)
     actor._tok = tok  # only render() is exercised
     actor._tool_format = None
+    actor._reasoning = None
     _, gen = chat_request(
         chat("hi", reasoning_effort="high", chat_template_kwargs={"enable_thinking": True})
     )

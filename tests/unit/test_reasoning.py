@@ -114,6 +114,8 @@ def test_format_detection_and_primed_prompts() -> None:
     qwen3 = "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>"
     assert detect_reasoning(qwen3) == ReasoningFormat()
     assert detect_reasoning("{{ '<|im_start|>assistant\n' }}") is None
+    r1 = "{% set content = content.split('</think>')[-1] %}{{'<｜Assistant｜>' + content}}"
+    assert detect_reasoning(r1) == ReasoningFormat()
     assert detect_reasoning(None) is None
     fmt = ReasoningFormat()
     assert fmt.opened_by("<｜User｜>2+2?<｜Assistant｜><think>\n")

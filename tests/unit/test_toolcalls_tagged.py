@@ -25,6 +25,7 @@ from mlxcel.actors.toolcalls.sections import kimi_history_ids
 from tests.unit.test_toolcalls import assert_chunking_invariant, call, complete
 
 Q, Z, D, K = ToolFormat.QWEN3_CODER, ToolFormat.GLM45, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
+D3 = ToolFormat.DEEPSEEK_V3
 
 TOOLS: list[dict[str, object]] = [
     {
@@ -165,6 +166,27 @@ VALID: list[tuple[ToolFormat, str, str | None, list[ToolCall]]] = [
         None,
         [call(0, "now", {})],
     ),
+    # DeepSeek V3-0324 / R1: the type and name before the fence, the arguments in it, calls
+    # apart by a newline (as the template writes them), a fence inside a string
+    (
+        D3,
+        "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>'
+        'function<｜tool▁sep｜>write_file\n```json\n{"path": "a.md", "content": "```json x"}'
+        "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "Checking.",
+        [
+            call(0, "get_weather", {"city": "Paris", "days": 2}),
+            call(1, "write_file", {"path": "a.md", "content": "```json x"}),
+        ],
+    ),
+    (
+        D3,
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```"
+        "<｜tool▁call▁end｜>",
+        None,
+        [call(0, "now", {})],
+    ),
     # Kimi K2: the calls get the API's ids, not the model's functions.NAME:IDX (the prompt
     # restores those; see test_kimi_history_ids)
     (
@@ -221,6 +243,11 @@ MALFORMED: list[tuple[ToolFormat, str]] = [
         "<｜tool▁calls▁end｜>"),
     (D, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>two words<｜tool▁sep｜>{}<｜tool▁call▁end｜>"),
     (D, "<｜tool▁calls▁begin｜>plain text"),
+    (D3, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": "),
+    # V3.1's syntax
+    (D3, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>"),
+    (D3, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n"
+         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),  # the fence not closed
     (K, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f<|tool_call_argument_begin|>"
         "{}<|tool_call_end|><|tool_calls_section_end|>"),  # no index
     (K, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
@@ -280,7 +307,7 @@ KIMI_K2_TEMPLATE = (
         (QWEN3_CODER_TEMPLATE, {"<tool_call>": 151657}, Q),  # not Hermes, despite <tool_call>
         (GLM45_TEMPLATE, {"<tool_call>": 151352}, Z),
         (DEEPSEEK_V31_TEMPLATE, {"<｜tool▁calls▁begin｜>": 128806}, D),
-        (DEEPSEEK_V3_TEMPLATE, None, None),  # the ```json fenced syntax is not this parser's
+        (DEEPSEEK_V3_TEMPLATE, None, D3),  # the ```json fence: V3-0324 and R1
         (KIMI_K2_TEMPLATE, None, K),
         (None, {"<tool_call>": 151352, "<arg_key>": 151356}, Z),
         (None, {"<|tool_calls_section_begin|>": 163595}, K),

@@ -36,7 +36,8 @@ from mlxcel.actors.toolcalls.formats import (
     PythonicParser,
 )
 from mlxcel.actors.toolcalls.generic import GenericParser
-from mlxcel.actors.toolcalls.sections import DeepSeekV31Parser, KimiK2Parser
+from mlxcel.actors.toolcalls.harmony import HarmonyParser
+from mlxcel.actors.toolcalls.sections import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
 from mlxcel.actors.toolcalls.xml_args import Glm45Parser, Qwen3CoderParser, Schemas, tool_schemas
 
 __all__ = [
@@ -75,6 +76,7 @@ MARKER_TEXTS = frozenset(
         *Glm45Parser.TAGS,
         *DeepSeekV31Parser.markers,
         *DeepSeekV31Parser.tokens(),
+        *DeepSeekV3Parser.tokens(),
         *KimiK2Parser.markers,
         *KimiK2Parser.tokens(),
     }
@@ -90,7 +92,9 @@ _PARSERS: dict[ToolFormat, Callable[[IdFactory, Schemas], Parser]] = {
     ToolFormat.QWEN3_CODER: Qwen3CoderParser,
     ToolFormat.GLM45: Glm45Parser,
     ToolFormat.DEEPSEEK_V31: lambda new_id, _: DeepSeekV31Parser(new_id),
+    ToolFormat.DEEPSEEK_V3: lambda new_id, _: DeepSeekV3Parser(new_id),
     ToolFormat.KIMI_K2: lambda new_id, _: KimiK2Parser(new_id),
+    ToolFormat.GPT_OSS: lambda new_id, _: HarmonyParser(new_id),
 }
 
 

@@ -17,6 +17,8 @@ def detect(
 ) -> ToolFormat | None:
     """The family this model emits tool calls in, None when nothing points to one."""
     t = chat_template or ""
+    if "<|channel|>" in t and "<|call|>" in t:
+        return ToolFormat.GPT_OSS  # harmony: checked first, its templates mention no other syntax
     # Qwen3-Coder and GLM-4.5 also wrap calls in <tool_call>, so their own syntax is looked
     # for before Hermes' JSON.
     if "<function=" in t and "<parameter=" in t:
@@ -25,10 +27,10 @@ def detect(
         return ToolFormat.GLM45
     if "<|tool_calls_section_begin|>" in t:
         return ToolFormat.KIMI_K2
-    if "<｜tool▁sep｜>" in t and "```json" not in t:
+    if "<｜tool▁sep｜>" in t:
         # V3.1's NAME<｜tool▁sep｜>{json}; V3-0324 and R1 put the type before the separator and
-        # the arguments in a ```json fence, a syntax not parsed here (the generic format then).
-        return ToolFormat.DEEPSEEK_V31
+        # the arguments in a ```json fence.
+        return ToolFormat.DEEPSEEK_V3 if "```json" in t else ToolFormat.DEEPSEEK_V31
     if "<tool_call>" in t:
         return ToolFormat.HERMES
     if "[TOOL_CALLS]" in t:
@@ -41,6 +43,7 @@ def detect(
     # the model was trained on.
     vocab = tokenizer_vocab or {}
     for token, fmt in (
+        ("<|channel|>", ToolFormat.GPT_OSS),
         ("<arg_key>", ToolFormat.GLM45),  # GLM's vocabulary has <tool_call> too
         ("<|tool_calls_section_begin|>", ToolFormat.KIMI_K2),
         ("<tool_call>", ToolFormat.HERMES),

@@ -33,9 +33,15 @@ class ToolFormat(enum.StrEnum):
     # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>...
     # <｜tool▁calls▁end｜> (DeepSeek V3.1, V3.2-Exp chat templates).
     DEEPSEEK_V31 = "deepseek_v31"
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{json}\n```
+    # <｜tool▁call▁end｜>...<｜tool▁calls▁end｜> (DeepSeek V3-0324 and R1 chat templates).
+    DEEPSEEK_V3 = "deepseek_v3"
     # <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
     # <|tool_call_argument_begin|>{json}<|tool_call_end|>...<|tool_calls_section_end|> (Kimi K2).
     KIMI_K2 = "kimi_k2"
+    # <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{json}<|call|> (gpt-oss's
+    # harmony messages; vLLM names this parser "openai").
+    GPT_OSS = "gpt_oss"
     # llama-server's fallback for templates with none: tools described in the system prompt,
     # the answer one JSON object {"tool_call": ...} / {"tool_calls": [...]} / {"response": ...}.
     GENERIC = "generic"
@@ -44,6 +50,14 @@ class ToolFormat(enum.StrEnum):
 @attrs.frozen
 class TextDelta:
     """Ordinary content, safe to show: it can no longer turn out to be part of a tool call."""
+
+    text: str
+
+
+@attrs.frozen
+class ReasoningDelta:
+    """Thinking text, for ``reasoning_content`` (and its ``reasoning`` mirror); here beside
+    TextDelta because both reasoning splitters (``reasoning``, ``harmony``) emit them."""
 
     text: str
 

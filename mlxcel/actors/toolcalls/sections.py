@@ -1,5 +1,5 @@
 """Formats that wrap calls in a section of special tokens, each call a name (or id) and a JSON
-arguments object between its own tokens: DeepSeek V3.1 and Kimi K2.
+arguments object between its own tokens: DeepSeek V3.1, DeepSeek V3/R1 and Kimi K2.
 
 The streamer sees special tokens spelled out (it detokenises with them kept), so the markers
 here are their text.
@@ -137,6 +137,30 @@ class DeepSeekV31Parser(_Section):
 
     def _read_head(self, head: str) -> str | None:
         m = _NAME.fullmatch(head)
+        return None if m is None else m.group(1)
+
+
+_FENCED_HEAD = re.compile(r"\s*function<｜tool▁sep｜>([^\s<>{}]{1,200})\s*")
+
+
+class DeepSeekV3Parser(_Section):
+    """``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}
+    \\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`` (DeepSeek V3-0324 and R1 templates): the
+    call's type and name before the fence, its arguments inside it. The fence's opening ends
+    the head and its closing starts the call's end, so the section scanning is V3.1's."""
+
+    markers = ("<｜tool▁calls▁begin｜>",)
+    CALL_BEGIN = "<｜tool▁call▁begin｜>"
+    HEAD_END = "```json"
+    CALL_END = "```<｜tool▁call▁end｜>"
+    SECTION_ENDS = ("<｜tool▁calls▁end｜>",)
+
+    @classmethod
+    def tokens(cls) -> tuple[str, ...]:
+        return (cls.CALL_BEGIN, "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", *cls.SECTION_ENDS)
+
+    def _read_head(self, head: str) -> str | None:
+        m = _FENCED_HEAD.fullmatch(head)
         return None if m is None else m.group(1)
 
 
