@@ -24,7 +24,7 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none());
   m.def("bf16_matmul", &mlxcel_native::bf16_matmul, "x"_a, "w"_a, nb::kw_only(),
         "stream"_a = nb::none());
-  m.def("q6k_matmul", &mlxcel_native::q6k_matmul, "x"_a, "w"_a, nb::kw_only(),
+  m.def("kquant_matmul", &mlxcel_native::kquant_matmul, "x"_a, "w"_a, nb::kw_only(), "format"_a,
         "stream"_a = nb::none());
   m.def("rms_norm", &mlxcel_native::rms_norm, "x"_a, "w"_a, "eps"_a, nb::kw_only(),
         "stream"_a = nb::none());

@@ -1,6 +1,8 @@
-// One Q6_K block decoded for the AVX2 and AVX-512 kernels' translation units (both have AVX2
-// and F16C); internal linkage in each, as tile_plan.h, so no copy is shared with code built
-// without them.
+// GGUF's K-quant blocks decoded for the AVX2 and AVX-512 kernels' translation units (both have
+// AVX2 and F16C); internal linkage in each, as tile_plan.h, so no copy is shared with code built
+// without them. Each format is a trait (Q4kFormat, Q6kFormat) that the kernels are templated
+// on: a block of 256 weights decodes to int8 codes q[256] and per 16 weights a float32 scale
+// s[16] and, for formats with mins, an offset m[16]: weight i = q[i] * s[i / 16] + m[i / 16].
 //
 // llama.cpp's block_q6_K (ggml-common.h), 256 weights in 210 bytes: ql[128] (low 4 bits),
 // qh[64] (high 2 bits), int8 scales[16] (one per 16 weights), float16 d; weight i =
@@ -14,6 +16,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "kquant_scales.h"
 
 namespace mlxcel_native {
 namespace {
@@ -78,6 +81,66 @@ inline void q6k_decode(const uint8_t* b, int8_t* q, float* s) {
   _mm256_storeu_ps(
       s + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
 #endif
+}
+
+// llama.cpp's block_q4_K, 256 weights in 144 bytes: float16 d, float16 dmin, scales[12] (eight
+// 6-bit scales and eight 6-bit mins, one pair per 32 weights, packed as get_scale_min_k4
+// reads them), qs[128]; per 64 weights j, qs[32j..32j+32) hold weights 64j..64j+31 in their
+// low nibbles and 64j+32..64j+63 in their high ones; weight = d * sc * q - dmin * mn.
+// The block at `b` -> q[256] (the nibbles, 0..15, in weight order), s[16] (d * sc) and m[16]
+// (-(dmin * mn)), each sub-block's pair written twice (per 16 weights, as the kernels read);
+// both products formed in float32 as llama.cpp and gguf-py form them.
+inline void q4k_decode(const uint8_t* b, int8_t* q, float* s, float* m) {
+  const float d = _cvtsh_ss(uint16_t(b[0] | (b[1] << 8)));
+  const float dmin = _cvtsh_ss(uint16_t(b[2] | (b[3] << 8)));
+  const uint8_t* sc = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    int scale, mn;
+    q4k_scale_min(sc, j, scale, mn);
+    s[2 * j] = s[2 * j + 1] = d * float(scale);
+    m[2 * j] = m[2 * j + 1] = -(dmin * float(mn));
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * j), _mm256_and_si256(v, low4));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 64 * j + 32),
+                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  }
+}
+
+// The formats' traits. kBytes: a block's size; kMins: whether m[] is read (Q6_K's weights have
+// no offset, so its kernels multiply where Q4_K's fuse a multiply-add); kSub: the inputs one
+// scale covers (the int8 kernel's integer dot products run over that many); kOffset: what the
+// raw codes are stored above zero (Q6_K's 32), which the int8 kernel takes off as
+// kOffset * sum(xq). decode<kCentred>: q as code - kOffset (false: the raw code, unsigned).
+struct Q6kFormat {
+  static constexpr int kBytes = kQ6kBlockBytes;
+  static constexpr bool kMins = false;
+  static constexpr int kSub = 16;
+  static constexpr int kOffset = 32;
+  template <bool kCentred = true>
+  static void decode(const uint8_t* b, int8_t* q, float* s, float*) {
+    q6k_decode<kCentred>(b, q, s);
+  }
+};
+
+struct Q4kFormat {
+  static constexpr int kBytes = kQ4kBlockBytes;
+  static constexpr bool kMins = true;
+  static constexpr int kSub = 32;
+  static constexpr int kOffset = 0;
+  template <bool kCentred = true>
+  static void decode(const uint8_t* b, int8_t* q, float* s, float* m) {
+    q4k_decode(b, q, s, m);
+  }
+};
+
+// Calls f.template operator()<Format>() for a.format.
+template <class F>
+inline void with_format(KQuant format, F&& f) {
+  if (format == KQuant::q4_k) return f.template operator()<Q4kFormat>();
+  f.template operator()<Q6kFormat>();
 }
 
 }  // namespace
