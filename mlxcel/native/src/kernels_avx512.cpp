@@ -407,15 +407,58 @@ void kq_tile(const KQuantArgs& a, int m0, int n0, int n_end) {
   alignas(64) float s[NC][16];
   alignas(64) float mn[NC][16];
   const long blocks = a.K / 256;
+  const long ahead_col = long(n0) + long(kPrefetchTiles) * NC;
+  const bool prefetch = ahead_col + NC <= a.N;
+  const char* ahead = reinterpret_cast<const char*>(a.w + (prefetch ? ahead_col : 0) * row_bytes);
+  const long ahead_lines = prefetch ? NC * row_bytes / 64 : 0;
+  const long ahead_per_block = (ahead_lines + blocks - 1) / blocks;
+  long ahead_next = 0;
   for (long b = 0; b < blocks; ++b) {
+    // The tile kPrefetchTiles ahead (its NC rows are contiguous), a block's share of its lines
+    // per block, as TilePrefetch does for the affine kernels: one stream far enough ahead to
+    // cover the memory's latency at 1 row, where each column's own stream was not.
+    for (long i = 0; i < ahead_per_block && ahead_next < ahead_lines; ++i, ++ahead_next)
+      _mm_prefetch(ahead + ahead_next * 64, _MM_HINT_T0);
     for (int c = 0; c < NC; ++c) {
-      // The block two ahead of each column's stream, so its latency overlaps this one's work.
-      const uint8_t* ahead = wcol[c] + (b + 2) * F::kBytes;
-      if (b + 2 < blocks)
-        for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      F::decode(wcol[c] + b * F::kBytes, q[c], s[c], mn[c]);
+      if constexpr (F::kMins) {
+        F::scales(wcol[c] + b * F::kBytes, s[c], mn[c]);  // per 32 here
+      } else {
+        F::decode(wcol[c] + b * F::kBytes, q[c], s[c], mn[c]);
+      }
     }
     const long k0 = b * 256;
+    if constexpr (F::kMins) {
+      // Q4_K: the nibbles read as stored, 16 bytes widened once for 32 weights (the low
+      // nibbles are weights 64i + 16h + [0, 16), the high ones 32 further on), and each
+      // weight looked up in a 16-entry table of its sub-block's values (vpermps reads only an
+      // index's low 4 bits), as q_tile does for a 4-bit group.
+      const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      for (int i = 0; i < 4; ++i) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+          // Sub-blocks 2i (the low nibbles) and 2i + 1 (the high ones), built per column so
+          // that only two tables are live beside the accumulators.
+          const __m512 tlo =
+              _mm512_fmadd_ps(_mm512_set1_ps(s[c][2 * i]), iota, _mm512_set1_ps(mn[c][2 * i]));
+          const __m512 thi = _mm512_fmadd_ps(_mm512_set1_ps(s[c][2 * i + 1]), iota,
+                                             _mm512_set1_ps(mn[c][2 * i + 1]));
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                wcol[c] + b * F::kBytes + 16 + 32 * i + 16 * h)));
+            const __m512 wl = _mm512_permutexvar_ps(v, tlo);
+            const __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), thi);
+            const long k = k0 + 64 * i + 16 * h;
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r) {
+              acc[r][c] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xrow[r] + k), acc[r][c]);
+              acc[r][c] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xrow[r] + k + 32), acc[r][c]);
+            }
+          }
+        }
+      }
+      continue;
+    }
     for (int j = 0; j < 16; ++j) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {

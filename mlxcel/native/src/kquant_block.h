@@ -14,9 +14,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels.h"
-#include "kquant_scales.h"
 
 namespace mlxcel_native {
 namespace {
@@ -87,19 +87,44 @@ inline void q6k_decode(const uint8_t* b, int8_t* q, float* s) {
 // 6-bit scales and eight 6-bit mins, one pair per 32 weights, packed as get_scale_min_k4
 // reads them), qs[128]; per 64 weights j, qs[32j..32j+32) hold weights 64j..64j+31 in their
 // low nibbles and 64j+32..64j+63 in their high ones; weight = d * sc * q - dmin * mn.
+// A Q4_K block's eight sub-block scales d * sc -> s[8] and offsets -(dmin * mn) -> m[8].
+inline void q4k_scales(const uint8_t* b, float* s, float* m) {
+  // The 12 scale bytes rearranged as llama.cpp's AVX kernels do (utmp): scales 0-7 in bytes
+  // 0-7, mins 0-7 in bytes 8-15 (kquant_scales.h's q4k_scale_min, eight at once).
+  uint32_t u[4];
+  std::memcpy(u, b + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  const uint32_t mins_lo = u[1] & k6;
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  u[2] = mins_lo;
+  u[0] &= k6;
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(uint16_t(b[0] | (b[1] << 8)))),
+                                  _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+  // -(dmin * mn): the product rounded as llama.cpp rounds it, then negated (exact).
+  const __m256 mn = _mm256_sub_ps(
+      _mm256_setzero_ps(),
+      _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(uint16_t(b[2] | (b[3] << 8)))),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8)))));
+  _mm256_storeu_ps(s, sc);
+  _mm256_storeu_ps(m, mn);
+}
+
 // The block at `b` -> q[256] (the nibbles, 0..15, in weight order), s[16] (d * sc) and m[16]
 // (-(dmin * mn)), each sub-block's pair written twice (per 16 weights, as the kernels read);
 // both products formed in float32 as llama.cpp and gguf-py form them.
 inline void q4k_decode(const uint8_t* b, int8_t* q, float* s, float* m) {
-  const float d = _cvtsh_ss(uint16_t(b[0] | (b[1] << 8)));
-  const float dmin = _cvtsh_ss(uint16_t(b[2] | (b[3] << 8)));
-  const uint8_t* sc = b + 4;
-  for (int j = 0; j < 8; ++j) {
-    int scale, mn;
-    q4k_scale_min(sc, j, scale, mn);
-    s[2 * j] = s[2 * j + 1] = d * float(scale);
-    m[2 * j] = m[2 * j + 1] = -(dmin * float(mn));
-  }
+  alignas(32) float s8[8], m8[8];
+  q4k_scales(b, s8, m8);
+  const __m256 sc = _mm256_load_ps(s8), mn = _mm256_load_ps(m8);
+  // Each sub-block's pair written twice (per 16 weights).
+  const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  const __m256i hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+  _mm256_storeu_ps(s, _mm256_permutevar8x32_ps(sc, lo));
+  _mm256_storeu_ps(s + 8, _mm256_permutevar8x32_ps(sc, hi));
+  _mm256_storeu_ps(m, _mm256_permutevar8x32_ps(mn, lo));
+  _mm256_storeu_ps(m + 8, _mm256_permutevar8x32_ps(mn, hi));
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   for (int j = 0; j < 4; ++j) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
@@ -134,6 +159,8 @@ struct Q4kFormat {
   static void decode(const uint8_t* b, int8_t* q, float* s, float* m) {
     q4k_decode(b, q, s, m);
   }
+  // Per sub-block of 32 (8 each), for kernels that read the nibbles as stored.
+  static void scales(const uint8_t* b, float* s, float* m) { q4k_scales(b, s, m); }
 };
 
 // Calls f.template operator()<Format>() for a.format.
