@@ -6,8 +6,8 @@ The folder holds ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 directly. ``gguf_read`` decodes the file (quantised tensors as MLX affine
 triplets ``x.weight``, ``x.scales``, ``x.biases``, group 32); ``gguf_arch`` names
 the tensors and builds the config; ``gguf_tokenizer`` rebuilds the tokenizer from
-the vocabulary in the metadata. A quantised folder also keeps the file's Q6_K
-blocks as stored, for the native CPU kernels (``gguf_blocks``).
+the vocabulary in the metadata. A quantised folder also keeps the file's Q4_K and
+Q6_K blocks as stored, for the native CPU kernels (``gguf_blocks``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from mlxcel.models import gguf_blocks
 from mlxcel.models.gguf_arch import config_from_metadata, convert_tensor
-from mlxcel.models.gguf_read import GROUP_SIZE, Q6K_SUFFIX, read_gguf
+from mlxcel.models.gguf_read import BLOCK_SUFFIXES, GROUP_SIZE, read_gguf
 from mlxcel.models.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_config
 from mlxcel.models.mlx_setup import mx
 
@@ -78,11 +78,12 @@ def convert_gguf(gguf_path: Path, dest: Path, *, keep_quantized: bool = False) -
     Weights are dequantised to float32 (CPU float32 matmuls are the fast path
     here); ``keep_quantized=True`` writes the affine triplets and the
     ``quantization`` config block instead, losslessly and ~5x smaller, and
-    the Q6_K matrices' blocks as stored beside them (``gguf_blocks``).
+    the Q4_K and Q6_K matrices' blocks as stored beside them (``gguf_blocks``).
     """
     gguf = read_gguf(gguf_path)
     raw, md = gguf.tensors, gguf.metadata
-    stored = {n: raw.pop(n) for n in [n for n in raw if n.endswith(Q6K_SUFFIX)]}
+    suffixes = tuple(BLOCK_SUFFIXES.values())
+    stored = {n: raw.pop(n) for n in [n for n in raw if n.endswith(suffixes)]}
     long, short = raw.get("rope_factors_long.weight"), raw.get("rope_factors_short.weight")
     config = config_from_metadata(
         md,

@@ -14,11 +14,13 @@ uint32, ``scales``, ``biases``, one pair per 32 inputs) so that the native kerne
 - requantised to 8 bits (their sub-blocks of 16 carry separate scales, and MLX's smallest
   group is 32): Q6_K, Q3_K, Q2_K, dequantised by gguf-py first. The 8-bit step is a 255th
   of a 32-group's range, a quarter or less of the format's own step.
-- Q6_K matrices (every Q4_K_M / Q5_K_M file's output, embeddings, half its ffn_down and its
-  attn_v) also as stored, ``x.q6_k``: uint8 [rows, K / 256 * 210], the blocks themselves.
-  The converted folder keeps both (``gguf_blocks``); on the CPU the native kernels multiply
-  by the blocks (``mlxcel.native.q6k_matmul``), 6.56 bits a weight where the 8-bit copy
-  takes 9, and the weights are the file's exactly. Other devices load the 8-bit copy.
+- Q4_K and Q6_K matrices (2-D: all of a Q4_K_M / Q5_K_M file's but its 3-D expert stacks)
+  also as stored, ``x.q4_k`` / ``x.q6_k`` (``BLOCK_SUFFIXES``): uint8 [rows, K / 256 * 144 or
+  210], the blocks themselves. The converted folder keeps both (``gguf_blocks``); on the CPU
+  the native kernels multiply by the blocks (``mlxcel.native.kquant_matmul``), 4.5 and 6.56
+  bits a weight where the affine copies take 5 and 9, and the weights are the file's exactly
+  (llama.cpp's float32 products d * sc, dmin * m: the Q4_K repack rounds them to float16).
+  Other devices, ``MLXCEL_NATIVE=0`` and expert stacks load the affine copy.
 - F32, F16 and BF16 tensors as stored.
 
 Anything else (IQ1-IQ3, TQ, MXFP4, ...) is refused by name.
@@ -37,12 +39,13 @@ from mlxcel.models import gguf_split
 from mlxcel.models.errors import UnsupportedModel
 from mlxcel.models.mlx_setup import mx
 
-__all__ = ["GROUP_SIZE", "GgufFile", "Q6K_SUFFIX", "SUPPORTED_TYPES", "read_gguf"]
+__all__ = ["BLOCK_SUFFIXES", "GROUP_SIZE", "GgufFile", "SUPPORTED_TYPES", "read_gguf"]
 
 # Every repacked tensor has one scale and bias per 32 inputs, as GGUF's blocks do.
 GROUP_SIZE = 32
-# The name suffix of a Q6_K matrix's blocks as stored (``x.q6_k`` beside ``x.weight``).
-Q6K_SUFFIX = ".q6_k"
+# The name suffix of a matrix's blocks as stored (``x.q4_k`` beside ``x.weight``), per GGUF
+# type kept so; the suffix without its dot names the format in ``mlxcel.native.kquants``.
+BLOCK_SUFFIXES = {"Q4_K": ".q4_k", "Q6_K": ".q6_k"}
 
 # llama.cpp's IQ4_NL / IQ4_XS code book (ggml-common.h kvalues_iq4nl).
 _IQ4_VALUES = np.array(
@@ -54,7 +57,7 @@ _IQ4_VALUES = np.array(
 class GgufFile:
     """``metadata``: key -> int/float/str/bool or a list of them. ``tensors``: GGUF tensor
     name -> array; a quantised tensor ``x.weight`` also has ``x.scales`` and ``x.biases``, a
-    Q6_K matrix ``x.q6_k`` (its blocks as stored).
+    Q4_K / Q6_K matrix ``x.q4_k`` / ``x.q6_k`` (its blocks as stored).
     ``types``: GGUF tensor name -> its stored type's name (Q4_K, F32, ...)."""
 
     metadata: dict[str, Any]
@@ -318,9 +321,9 @@ def _read_tensors(reader: Any, tensors: dict[str, mx.array], types: dict[str, st
             base = t.name.removesuffix(".weight")
             for part, array in _quantised(t.data, kind, shape).items():
                 tensors[f"{base}.{part}"] = array
-            if kind == "Q6_K" and len(shape) == 2:  # expert stacks (3-D) stay 8-bit only
+            if kind in BLOCK_SUFFIXES and len(shape) == 2:  # expert stacks (3-D): affine only
                 rows = np.ascontiguousarray(t.data).reshape(shape[0], -1)
-                tensors[f"{base}{Q6K_SUFFIX}"] = mx.array(rows)
+                tensors[f"{base}{BLOCK_SUFFIXES[kind]}"] = mx.array(rows)
         else:
             served = ", ".join(SUPPORTED_TYPES)
             raise UnsupportedModel(

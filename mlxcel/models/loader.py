@@ -110,8 +110,8 @@ def load_model(
     weights as stored, when they are built and ``native`` (``MLXCEL_NATIVE=0`` turns them off
     too); other quantised layers are dequantised to float32.
 
-    A converted GGUF's Q6_K matrices run on the native kernels as the file stores them
-    (``gguf_blocks``); elsewhere their 8-bit copy is loaded like any other quantised layer.
+    A converted GGUF's Q4_K and Q6_K matrices run on the native kernels as the file stores them
+    (``gguf_blocks``); elsewhere their affine copy is loaded like any other quantised layer.
 
     ``ctx_size`` is the context per sequence it will serve (0: the model's own); a LongRoPE
     model's factors are chosen for it, as llama.cpp chooses them (``models.longrope``).
@@ -148,9 +148,12 @@ def load_model(
     kept: set[str] = set()
     if not keep_quantized and cpu:
         if native and native_enabled():
-            # A GGUF's Q6_K matrices as the file stores them (before anything is evaluated:
-            # their 8-bit copy is then never read).
-            on_native = gguf_blocks.install(model, resolved.path)
+            # A GGUF's Q4_K and Q6_K matrices as the file stores them (before anything is evaluated:
+            # their affine copy is then never read). MLXCEL_KQUANT_BLOCKS=0 keeps the affine
+            # copy: up to ~10 % faster decoding (the affine kernels read ready-made scales) for
+            # ~0.2x the file's size more memory (docs/performance.md, issue 38).
+            if os.environ.get("MLXCEL_KQUANT_BLOCKS", "1") != "0":
+                on_native = gguf_blocks.install(model, resolved.path)
             on_native += native_layers.install(model)
             if not chosen:
                 # A bfloat16 checkpoint's projections stay bfloat16 (half float32's bytes per
@@ -206,12 +209,12 @@ def _loaded(
 
 
 def _block_weights(model: Module) -> int:
-    """What mlx-lm's parameter count misses for layers held as Q6_K blocks (it counts their
+    """What mlx-lm's parameter count misses for layers held as K-quant blocks (it counts their
     bytes, not their weights)."""
     return sum(
         m.input_dims * m.output_dims - int(m["weight"].size)
         for _, m in model.named_modules()
-        if isinstance(m, native_layers.Q6K_LAYERS)
+        if isinstance(m, native_layers.KQUANT_LAYERS)
     )
 
 

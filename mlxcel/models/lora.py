@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxcel.models.errors import AdapterError
-from mlxcel.native.layers import NativeQ6kLinear
+from mlxcel.native.layers import NativeKQuantLinear
 
 # What marks a prompt-cache key whose KV was computed under adapters.
 LORA_TAG = "\x00lora:"
@@ -143,7 +143,7 @@ class MultiLoraLinear(nn.Module):
 def _dtype(linear: nn.Module) -> Any:
     if isinstance(linear, nn.QuantizedLinear):
         return linear.scales.dtype
-    if isinstance(linear, NativeQ6kLinear):
+    if isinstance(linear, NativeKQuantLinear):
         return mx.float32  # what its matmul gives
     return linear.weight.dtype
 
@@ -153,7 +153,7 @@ def _dims(linear: nn.Module) -> tuple[int, int] | None:
     if isinstance(linear, nn.QuantizedLinear):
         out, packed = linear.weight.shape
         return packed * 32 // linear.bits, out
-    if isinstance(linear, NativeQ6kLinear):
+    if isinstance(linear, NativeKQuantLinear):
         return linear.input_dims, linear.output_dims
     if isinstance(linear, nn.Linear):
         out, inp = linear.weight.shape

@@ -37,8 +37,9 @@ __all__ = ["CONVERTER_VERSION", "ResolvedModel", "default_cache_dir", "resolve_m
 log = logging.getLogger(__name__)
 
 # Bump when convert_gguf's output changes, so stale cache entries are redone.
-# 3: K-quants kept, issue 38 architectures; 4: ChatML by default; 5: Q6_K blocks as stored too
-CONVERTER_VERSION = 5
+# 3: K-quants kept, issue 38 architectures; 4: ChatML by default; 5: Q6_K blocks as stored too;
+# 6: Q4_K blocks as stored too
+CONVERTER_VERSION = 6
 _STALE_TMP_S = 24 * 3600
 
 Source = Literal["default", "folder", "gguf", "hub"]

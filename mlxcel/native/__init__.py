@@ -10,8 +10,9 @@ mlx's CPU stream; on CPUs with AVX512-VNNI, quantised weights meet activations q
 int8 instead (``INT8_MODES`` below). ``MLXCEL_NATIVE_ISA`` (``avx512``, ``avx2``, ``generic``;
 read once, at import) caps the instruction set, to run the AVX2 kernels on an AVX-512 CPU.
 
-``q6k_matmul`` multiplies by a matrix held as GGUF's Q6_K blocks (``q6k``), decoded in registers
-the same way, so a Q4_K_M file's Q6_K matrices keep their 6.56 bits a weight.
+``kquant_matmul`` multiplies by a matrix held as GGUF's K-quant blocks (Q4_K or Q6_K,
+``kquants``), decoded in registers the same way, so a Q4_K_M file's matrices keep their 4.5 and
+6.56 bits a weight.
 
 ``rms_norm`` and ``rope`` are ``mx.fast.rms_norm`` and ``mx.fast.rope`` for float32 on the CPU,
 where mlx has no kernels for them and builds ~11 and ~29 graph nodes instead; likewise
@@ -46,7 +47,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from mlxcel.native import q6k
+from mlxcel.native import kquants
 
 __all__ = [
     "BF16_ROWS_THRESHOLD",
@@ -58,8 +59,8 @@ __all__ = [
     "int8_activations",
     "int8_like_rows",
     "kernel_isa",
+    "kquant_matmul",
     "prompt_pass",
-    "q6k_matmul",
     "quantized_matmul",
     "reason",
     "rms_norm",
@@ -278,16 +279,19 @@ def bf16_matmul(x: mx.array, w: mx.array) -> mx.array:
     return x @ w.astype(mx.float32).T
 
 
-def q6k_matmul(x: mx.array, blocks: mx.array) -> mx.array:
-    """``x @ W.T`` for ``W`` [N, K] held as GGUF's Q6_K blocks (uint8 [N, K / 256 * 210],
-    ``q6k``), computed in float32 (float32 ``x`` [..., K]). The native kernel at every row count:
+def kquant_matmul(x: mx.array, blocks: mx.array, fmt: str) -> mx.array:
+    """``x @ W.T`` for ``W`` [N, K] held as GGUF's blocks of the K-quant format ``fmt``
+    (``"q4_k"``: uint8 [N, K / 256 * 144], ``"q6_k"``: [N, K / 256 * 210]; ``kquants``),
+    computed in float32 (float32 ``x`` [..., K]). The native kernel at every row count:
     dequantising with mlx ops and multiplying with OpenBLAS was 2-7x slower from 1 to 512 rows
-    (2048x8192 and 512x2048, 2 cores)."""
+    (Q6_K, 2048x8192 and 512x2048, 2 cores)."""
     if x.dtype == mx.float32 and available():
         assert _EXT is not None
-        out: mx.array = _EXT.q6k_matmul(x, blocks)
+        # The same per-thread int8 choice as quantized_matmul (prompt passes, seeded rows):
+        # a K-quant layer's numerics follow the same rules as an affine one's.
+        out: mx.array = _EXT.kquant_matmul(x, blocks, format=fmt, int8=_node_int8())
         return out
-    return x @ q6k.dequantize(blocks).astype(x.dtype).T
+    return x @ kquants.dequantize(blocks, fmt).astype(x.dtype).T
 
 
 def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:

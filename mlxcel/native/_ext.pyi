@@ -15,8 +15,13 @@ def quantized_matmul(
 def bf16_matmul(
     x: mx.array, w: mx.array, *, stream: mx.Stream | mx.Device | None = None
 ) -> mx.array: ...
-def q6k_matmul(
-    x: mx.array, w: mx.array, *, stream: mx.Stream | mx.Device | None = None
+def kquant_matmul(
+    x: mx.array,
+    w: mx.array,
+    *,
+    format: str,
+    int8: int = -1,
+    stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array: ...
 def rms_norm(
     x: mx.array, w: mx.array, eps: float, *, stream: mx.Stream | mx.Device | None = None

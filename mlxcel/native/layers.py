@@ -12,18 +12,18 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.native import bf16_matmul, q6k, q6k_matmul, quantized_matmul, rms_norm, rope
+from mlxcel.native import bf16_matmul, kquant_matmul, kquants, quantized_matmul, rms_norm, rope
 
 __all__ = [
     "NativeBf16Embedding",
     "NativeBf16Linear",
     "NativeQuantizedEmbedding",
     "NativeQuantizedLinear",
-    "NativeQ6kEmbedding",
-    "NativeQ6kLinear",
+    "KQUANT_LAYERS",
+    "NativeKQuantEmbedding",
+    "NativeKQuantLinear",
     "NativeRMSNorm",
     "NativeRoPE",
-    "Q6K_LAYERS",
     "fits",
     "install",
     "install_bf16",
@@ -73,51 +73,56 @@ class NativeQuantizedEmbedding(nn.QuantizedEmbedding):
         )
 
 
-class _Q6kBlocks(nn.Module):
-    """A matrix [output_dims, input_dims] held as GGUF's Q6_K blocks (``weight``: uint8
-    [output_dims, input_dims / 256 * 210], ``mlxcel.native.q6k``)."""
+class _KQuantBlocks(nn.Module):
+    """A matrix [output_dims, input_dims] held as GGUF's blocks of one K-quant format
+    (``weight``: uint8 [output_dims, input_dims / 256 * block bytes]; ``fmt``: ``"q4_k"`` or
+    ``"q6_k"``, ``mlxcel.native.kquants``)."""
 
-    def __init__(self, weight: mx.array) -> None:
+    def __init__(self, weight: mx.array, fmt: str) -> None:
         super().__init__()
         self.weight = weight
+        self.fmt = fmt
 
     @property
     def input_dims(self) -> int:
-        return q6k.inputs(self["weight"])
+        return kquants.inputs(self["weight"], self.fmt)
 
     @property
     def output_dims(self) -> int:
         return int(self["weight"].shape[0])
 
+    def _extra_repr(self) -> str:
+        return f"{self.input_dims}, {self.output_dims}, fmt={self.fmt}"
 
-class NativeQ6kLinear(_Q6kBlocks):
-    """A Linear layer whose weight stays as Q6_K blocks, multiplied by
-    mlxcel.native.q6k_matmul."""
 
-    def __init__(self, weight: mx.array, bias: mx.array | None = None) -> None:
-        super().__init__(weight)
+class NativeKQuantLinear(_KQuantBlocks):
+    """A Linear layer whose weight stays as K-quant blocks, multiplied by
+    mlxcel.native.kquant_matmul."""
+
+    def __init__(self, weight: mx.array, fmt: str, bias: mx.array | None = None) -> None:
+        super().__init__(weight, fmt)
         if bias is not None:
             self.bias = bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = q6k_matmul(x, self["weight"])
+        y = kquant_matmul(x, self["weight"], self.fmt)
         return y + self["bias"] if "bias" in self else y
 
 
-class NativeQ6kEmbedding(_Q6kBlocks):
-    """An Embedding whose table stays as Q6_K blocks: a lookup dequantises the rows it takes
+class NativeKQuantEmbedding(_KQuantBlocks):
+    """An Embedding whose table stays as K-quant blocks: a lookup dequantises the rows it takes
     (float32, the file's values exactly); the tied output projection (``as_linear``) is
-    q6k_matmul."""
+    kquant_matmul."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return q6k.dequantize(self["weight"][x])
+        return kquants.dequantize(self["weight"][x], self.fmt)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return q6k_matmul(x, self["weight"])
+        return kquant_matmul(x, self["weight"], self.fmt)
 
 
-# The layers held as Q6_K blocks (what counts parameters or adapts a layer looks for these).
-Q6K_LAYERS = (NativeQ6kLinear, NativeQ6kEmbedding)
+# The layers held as K-quant blocks (what counts parameters or adapts a layer looks for these).
+KQUANT_LAYERS = (NativeKQuantLinear, NativeKQuantEmbedding)
 
 
 def fits(module: nn.Module) -> bool:

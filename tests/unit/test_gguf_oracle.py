@@ -49,8 +49,9 @@ GEMMA_BOUND = 4e-3
 # a misread block. llama.cpp multiplies Q4_x/Q5_x/Q8_0/IQ4_NL weights with activations
 # rounded to q8_0/q8_1 and K-quant/IQ4_XS weights with q8_K, where we compute in float32 on
 # the decoded weights; and we requantise Q3_K/Q2_K (and Q6_K where the native kernels do not
-# run: on them its blocks are read as stored, exactly) to 8 bits and round Q4_K/Q5_K/IQ4_XS
-# group scales and biases (products of two stored numbers) to float16. Measured apart, on
+# run: on them its blocks are read as stored, exactly) to 8 bits and round Q5_K/IQ4_XS (and
+# Q4_K off the native kernels: on them its blocks are read as stored too) group scales and
+# biases (products of two stored numbers) to float16. Measured apart, on
 # single-format variants against llama.cpp on the same weights decoded to F32 by gguf-py
 # (its reference decoding, so its side rounds nothing): Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/IQ4_NL within 1e-4,
 # Q4_K/Q5_K/IQ4_XS 2e-2 (float16 scales), Q6_K/Q3_K/Q2_K 8e-2 (8-bit requantisation); the

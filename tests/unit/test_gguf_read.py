@@ -132,25 +132,29 @@ def test_a_file_gives_plain_metadata_and_mlx_arrays(tmp_path: Path) -> None:
     assert t["blk.0.attn_norm.weight"].dtype == mx.float32
 
 
-def test_q6_k_matrices_also_keep_their_blocks_as_stored(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "bits"), [("Q4_K", 4), ("Q6_K", 8)])
+def test_k_quant_matrices_also_keep_their_blocks_as_stored(
+    tmp_path: Path, kind: str, bits: int
+) -> None:
     # For the native kernels (gguf_blocks): the file's bytes, a row of blocks per matrix row;
-    # 3-D expert stacks only as their 8-bit copy.
-    q6k = _blocks("Q6_K", 4, 512)
-    experts = _blocks("Q6_K", 2 * 4, 256, seed=1).reshape(2, 4, -1)
+    # 3-D expert stacks only as their affine copy.
+    blocks = _blocks(kind, 4, 512)
+    experts = _blocks(kind, 2 * 4, 256, seed=1).reshape(2, 4, -1)
     path = tmp_path / "m.gguf"
     _write(
         path,
         {
-            "output.weight": (q6k, GGMLQuantizationType.Q6_K),
-            "blk.0.ffn_down_exps.weight": (experts, GGMLQuantizationType.Q6_K),
+            "output.weight": (blocks, GGMLQuantizationType[kind]),
+            "blk.0.ffn_down_exps.weight": (experts, GGMLQuantizationType[kind]),
         },
     )
     t = read_gguf(path).tensors
-    assert t["output.q6_k"].dtype == mx.uint8
-    assert np.array_equal(np.array(t["output.q6_k"]), q6k)
-    assert t["output.weight"].shape == (4, 512 // 4)  # and the 8-bit copy
-    assert "blk.0.ffn_down_exps.q6_k" not in t
-    assert t["blk.0.ffn_down_exps.weight"].shape == (2, 4, 256 // 4)
+    suffix = kind.lower()
+    assert t[f"output.{suffix}"].dtype == mx.uint8
+    assert np.array_equal(np.array(t[f"output.{suffix}"]), blocks)
+    assert t["output.weight"].shape == (4, 512 * bits // 32)  # and the affine copy
+    assert f"blk.0.ffn_down_exps.{suffix}" not in t
+    assert t["blk.0.ffn_down_exps.weight"].shape == (2, 4, 256 * bits // 32)
 
 
 def test_an_unserved_type_is_refused_by_name(tmp_path: Path) -> None:

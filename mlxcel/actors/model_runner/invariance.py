@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel.native.layers import NativeQ6kLinear
+from mlxcel.native.layers import NativeKQuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def prepare(model: Any, parallel: int) -> str | None:
 
 
 def _kind(module: Any) -> str | None:
-    if isinstance(module, nn.Linear | nn.QuantizedLinear | NativeQ6kLinear):
+    if isinstance(module, nn.Linear | nn.QuantizedLinear | NativeKQuantLinear):
         return "linear"
     if isinstance(module, nn.RMSNorm | nn.LayerNorm):
         return "norm"
@@ -98,7 +98,7 @@ def _kind(module: Any) -> str | None:
 def _width(module: Any) -> int:
     if isinstance(module, nn.QuantizedLinear):
         return int(module.weight.shape[-1]) * 32 // int(module.bits)
-    if isinstance(module, NativeQ6kLinear):
+    if isinstance(module, NativeKQuantLinear):
         return module.input_dims
     return int(module.weight.shape[-1])
 

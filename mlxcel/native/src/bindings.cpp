@@ -25,8 +25,8 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none());
   m.def("bf16_matmul", &mlxcel_native::bf16_matmul, "x"_a, "w"_a, nb::kw_only(),
         "stream"_a = nb::none());
-  m.def("q6k_matmul", &mlxcel_native::q6k_matmul, "x"_a, "w"_a, nb::kw_only(),
-        "stream"_a = nb::none());
+  m.def("kquant_matmul", &mlxcel_native::kquant_matmul, "x"_a, "w"_a, nb::kw_only(), "format"_a,
+        "int8"_a = -1, "stream"_a = nb::none());
   m.def("rms_norm", &mlxcel_native::rms_norm, "x"_a, "w"_a, "eps"_a, nb::kw_only(),
         "stream"_a = nb::none());
   m.def("rope", &mlxcel_native::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a,

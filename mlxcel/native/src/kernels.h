@@ -60,25 +60,32 @@ void bf16mm_rows_avx512(const Bf16Args& a, const float* xT, int Mp, int n0, int 
 void qmm_rows_avx2(const QmmArgs& a, const float* xT, int Mp, int n0, int n1);
 void bf16mm_rows_avx2(const Bf16Args& a, const float* xT, int Mp, int n0, int n1);
 
-// ---- Q6_K weights as GGUF stores them (q6k_*; the block layout in q6k_block.h) -----------
-// out[M, N] = x[M, K] @ W.T for W [N, K] held as llama.cpp's Q6_K blocks, each row K / 256
-// blocks of kQ6kBlockBytes (K a multiple of 256), computed in float32 from the weights
-// d * scale * (code - 32), exactly the values llama.cpp dequantises.
+// ---- K-quant weights as GGUF stores them (kq_*; the block layouts in kquant_block.h) ------
+// out[M, N] = x[M, K] @ W.T for W [N, K] held as llama.cpp's blocks of one K-quant format,
+// each row K / 256 blocks of kquant_block_bytes(format) (K a multiple of 256), computed in
+// float32 from exactly the weights llama.cpp dequantises. One path for every format: the
+// kernels are templated on the format's decoder, so a new format is a decoder and a trait.
+enum class KQuant : int { q4_k = 0, q6_k = 1 };
+constexpr int kQ4kBlockBytes = 144;
 constexpr int kQ6kBlockBytes = 210;
-struct Q6kArgs {
+constexpr int kquant_block_bytes(KQuant format) {
+  return format == KQuant::q4_k ? kQ4kBlockBytes : kQ6kBlockBytes;
+}
+struct KQuantArgs {
   const float* x;  // [M, K] row-major
-  const uint8_t* w;  // [N, K / 256 * kQ6kBlockBytes]
+  const uint8_t* w;  // [N, K / 256 * kquant_block_bytes(format)]
   int M, N, K;
   float* out;  // [M, N] row-major
+  KQuant format;
 };
 // Columns [n0, n1) for every row; below kRowsKernelMin rows register tiles (callers cut
 // ranges at avx512_tile_cols / avx2_tile_cols), from it on the rows kernel over xT as
 // qmm_transpose_x leaves it (natural order).
-void q6k_avx512(const Q6kArgs& a, int n0, int n1);
-void q6k_rows_avx512(const Q6kArgs& a, const float* xT, int Mp, int n0, int n1);
-void q6k_avx2(const Q6kArgs& a, int n0, int n1);
-void q6k_rows_avx2(const Q6kArgs& a, const float* xT, int Mp, int n0, int n1);
-void q6k_generic(const Q6kArgs& a, int n0, int n1);
+void kq_avx512(const KQuantArgs& a, int n0, int n1);
+void kq_rows_avx512(const KQuantArgs& a, const float* xT, int Mp, int n0, int n1);
+void kq_avx2(const KQuantArgs& a, int n0, int n1);
+void kq_rows_avx2(const KQuantArgs& a, const float* xT, int Mp, int n0, int n1);
+void kq_generic(const KQuantArgs& a, int n0, int n1);
 
 // ---- int8 activations (AVX512-VNNI, kernels_vnni.cpp) ------------------------------------
 // Rows quantised per 32-input block, tile-major (16 rows a tile): xq [Mp/16][K/4][16][4] int8
@@ -109,10 +116,10 @@ constexpr int kVnniCols = 8;
 // each row the bits qmm_rows_vnni gives it.
 void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1);
 constexpr int kVnniColsSmall = 16;
-// Q6_K weights (Q6kArgs) against xr as qmm_quantize_rows_int8 left it at group_size 32 (xq,
-// no nibble order), at any row count (lanes are 16 rows); ranges cut at multiples of
-// kVnniCols. A row's result depends only on that row.
-void q6k_rows_vnni(const Q6kArgs& a, const Int8Rows& xr, int n0, int n1);
+// K-quant weights (KQuantArgs) against xr as qmm_quantize_rows_int8 left it at group_size 32
+// (xq, no nibble order; sums per 32 inputs for the formats' mins), at any row count (lanes are
+// 16 rows); ranges cut at multiples of kVnniCols. A row's result depends only on that row.
+void kq_rows_vnni(const KQuantArgs& a, const Int8Rows& xr, int n0, int n1);
 
 // ---- attention (attention_avx512.cpp, attention_avx2.cpp) ----------------------------------
 // out[b, h, i] = softmax(scale * q[b, h, i] k^T [+ mask]) v over the keys query i may see, for

@@ -22,7 +22,7 @@
 #include "tile_plan.h"
 #include "math_avx2.h"
 #include "scale_at.h"
-#include "q6k_block.h"
+#include "kquant_block.h"
 
 namespace mlxcel_native {
 namespace {
@@ -341,12 +341,20 @@ void qmm_rows_bits(const QmmArgs& a, const float* xT, int Mp, int n0, int n1) {
   }
 }
 
-// ---- Q6_K blocks ------------------------------------------------------------------------
+// ---- K-quant blocks -----------------------------------------------------------------------
 // As kernels_avx512.cpp's: each column's block decoded once per tile, then per 8 weights one
-// widen, convert and multiply, FMA'd into all MR rows.
-template <int MR, int NC>
-void q6k_tile(const Q6kArgs& a, int m0, int n0, int n_end) {
-  const long row_bytes = long(a.K) / 256 * kQ6kBlockBytes;
+// widen, convert and multiply (multiply-add with mins), FMA'd into all MR rows.
+template <class F>
+inline __m256 kq_weights8(const int8_t* q, float s, float m) {
+  const __m256 codes = _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  if constexpr (F::kMins) return _mm256_fmadd_ps(codes, _mm256_set1_ps(s), _mm256_set1_ps(m));
+  return _mm256_mul_ps(codes, _mm256_set1_ps(s));
+}
+
+template <class F, int MR, int NC>
+void kq_tile(const KQuantArgs& a, int m0, int n0, int n_end) {
+  const long row_bytes = long(a.K) / 256 * F::kBytes;
   const uint8_t* wcol[NC];
   for (int c = 0; c < NC; ++c)
     wcol[c] = a.w + long(n0 + c < n_end ? n0 + c : n_end - 1) * row_bytes;
@@ -359,22 +367,20 @@ void q6k_tile(const Q6kArgs& a, int m0, int n0, int n_end) {
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
   alignas(32) int8_t q[NC][256];
   alignas(32) float s[NC][16];
+  alignas(32) float mn[NC][16];
   const long blocks = a.K / 256;
   for (long b = 0; b < blocks; ++b) {
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* ahead = wcol[c] + (b + 2) * kQ6kBlockBytes;
+      const uint8_t* ahead = wcol[c] + (b + 2) * F::kBytes;
       if (b + 2 < blocks)
-        for (int line = 0; line < kQ6kBlockBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      q6k_decode(wcol[c] + b * kQ6kBlockBytes, q[c], s[c]);
+        for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      F::decode(wcol[c] + b * F::kBytes, q[c], s[c], mn[c]);
     }
     const long k0 = b * 256;
     for (int j = 0; j < 32; ++j) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        const __m256 w = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[c] + 8 * j)))),
-            _mm256_set1_ps(s[c][j / 2]));
+        const __m256 w = kq_weights8<F>(q[c] + 8 * j, s[c][j / 2], mn[c][j / 2]);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r)
           acc[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xrow[r] + k0 + 8 * j), acc[r][c]);
@@ -387,39 +393,41 @@ void q6k_tile(const Q6kArgs& a, int m0, int n0, int n_end) {
 }
 
 // Columns col[0..NC) for inputs [kb, kb + kn) (whole blocks) into wbuf as float32.
-template <int NC>
-void q6k_dequant_block(const Q6kArgs& a, const long* col, long kb, int kn, float* wbuf) {
-  const long row_bytes = long(a.K) / 256 * kQ6kBlockBytes;
+template <class F, int NC>
+void kq_dequant_block(const KQuantArgs& a, const long* col, long kb, int kn, float* wbuf) {
+  const long row_bytes = long(a.K) / 256 * F::kBytes;
   alignas(32) int8_t q[256];
   alignas(32) float s[16];
+  alignas(32) float mn[16];
   for (int c = 0; c < NC; ++c) {
     for (long k = kb; k < kb + kn; k += 256) {
-      q6k_decode(a.w + col[c] * row_bytes + k / 256 * kQ6kBlockBytes, q, s);
+      F::decode(a.w + col[c] * row_bytes + k / 256 * F::kBytes, q, s, mn);
       float* dst = wbuf + c * kWStride + (k - kb);
       for (int j = 0; j < 32; ++j)
-        _mm256_store_ps(dst + 8 * j,
-                        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                          reinterpret_cast<const __m128i*>(q + 8 * j)))),
-                                      _mm256_set1_ps(s[j / 2])));
+        _mm256_store_ps(dst + 8 * j, kq_weights8<F>(q + 8 * j, s[j / 2], mn[j / 2]));
     }
   }
 }
 
 }  // namespace
 
-void q6k_avx2(const Q6kArgs& a, int n0, int n1) {
+void kq_avx2(const KQuantArgs& a, int n0, int n1) {
   const int nc = tile_cols(a.M);
-  run_tiles(a, n0, n1, [&](int rows, int m, int n, int n_end) {
-    pick_tile(nc, rows, [&]<int MR, int NC>() { q6k_tile<MR, NC>(a, m, n, n_end); });
+  with_format(a.format, [&]<class F>() {
+    run_tiles(a, n0, n1, [&](int rows, int m, int n, int n_end) {
+      pick_tile(nc, rows, [&]<int MR, int NC>() { kq_tile<F, MR, NC>(a, m, n, n_end); });
+    });
   });
 }
 
-void q6k_rows_avx2(const Q6kArgs& a, const float* xT, int Mp, int n0, int n1) {
-  for (int n = n0; n < n1; n += kRowsCols) {
-    rows_block<kRowsCols>(a, xT, Mp, n, n1, [&a](const long* col, long kb, int kn, float* wbuf) {
-      q6k_dequant_block<kRowsCols>(a, col, kb, kn, wbuf);
-    });
-  }
+void kq_rows_avx2(const KQuantArgs& a, const float* xT, int Mp, int n0, int n1) {
+  with_format(a.format, [&]<class F>() {
+    for (int n = n0; n < n1; n += kRowsCols) {
+      rows_block<kRowsCols>(a, xT, Mp, n, n1, [&a](const long* col, long kb, int kn, float* wbuf) {
+        kq_dequant_block<F, kRowsCols>(a, col, kb, kn, wbuf);
+      });
+    }
+  });
 }
 
 int avx2_tile_cols(int M) {

@@ -13,7 +13,7 @@
 #include "kernels.h"
 #include "tile_plan.h"
 #include "scales_avx512.h"
-#include "q6k_block.h"
+#include "kquant_block.h"
 
 namespace mlxcel_native {
 namespace {
@@ -377,13 +377,22 @@ void qmm_bits(const QmmArgs& a, int n0, int n1) {
   }
 }
 
-// ---- Q6_K blocks ------------------------------------------------------------------------
-// Each column's block is decoded once per tile (q6k_decode: int8 codes and float32 sub-block
-// scales), then per 16 weights one widen, convert and multiply gives a zmm of weights that is
-// FMA'd into all MR rows, as q_tile does with a group of 32.
-template <int MR, int NC>
-void q6k_tile(const Q6kArgs& a, int m0, int n0, int n_end) {
-  const long row_bytes = long(a.K) / 256 * kQ6kBlockBytes;
+// ---- K-quant blocks -----------------------------------------------------------------------
+// Each column's block is decoded once per tile (F::decode: int8 codes and float32 scales, and
+// offsets for formats with mins), then per 16 weights one widen, convert and multiply (or
+// multiply-add) gives a zmm of weights that is FMA'd into all MR rows, as q_tile does with a
+// group of 32.
+template <class F>
+inline __m512 kq_weights16(const int8_t* q, float s, float m) {
+  const __m512 codes = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
+  if constexpr (F::kMins) return _mm512_fmadd_ps(codes, _mm512_set1_ps(s), _mm512_set1_ps(m));
+  return _mm512_mul_ps(codes, _mm512_set1_ps(s));
+}
+
+template <class F, int MR, int NC>
+void kq_tile(const KQuantArgs& a, int m0, int n0, int n_end) {
+  const long row_bytes = long(a.K) / 256 * F::kBytes;
   const uint8_t* wcol[NC];
   for (int c = 0; c < NC; ++c)
     wcol[c] = a.w + long(n0 + c < n_end ? n0 + c : n_end - 1) * row_bytes;
@@ -396,23 +405,64 @@ void q6k_tile(const Q6kArgs& a, int m0, int n0, int n_end) {
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   alignas(64) int8_t q[NC][256];
   alignas(64) float s[NC][16];
+  alignas(64) float mn[NC][16];
   const long blocks = a.K / 256;
+  const long ahead_col = long(n0) + long(kPrefetchTiles) * NC;
+  const bool prefetch = ahead_col + NC <= a.N;
+  const char* ahead = reinterpret_cast<const char*>(a.w + (prefetch ? ahead_col : 0) * row_bytes);
+  const long ahead_lines = prefetch ? NC * row_bytes / 64 : 0;
+  const long ahead_per_block = (ahead_lines + blocks - 1) / blocks;
+  long ahead_next = 0;
   for (long b = 0; b < blocks; ++b) {
+    // The tile kPrefetchTiles ahead (its NC rows are contiguous), a block's share of its lines
+    // per block, as TilePrefetch does for the affine kernels: one stream far enough ahead to
+    // cover the memory's latency at 1 row, where each column's own stream was not.
+    for (long i = 0; i < ahead_per_block && ahead_next < ahead_lines; ++i, ++ahead_next)
+      _mm_prefetch(ahead + ahead_next * 64, _MM_HINT_T0);
     for (int c = 0; c < NC; ++c) {
-      // The block two ahead of each column's stream, so its latency overlaps this one's work.
-      const uint8_t* ahead = wcol[c] + (b + 2) * kQ6kBlockBytes;
-      if (b + 2 < blocks)
-        for (int line = 0; line < kQ6kBlockBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      q6k_decode(wcol[c] + b * kQ6kBlockBytes, q[c], s[c]);
+      if constexpr (F::kMins) {
+        F::scales(wcol[c] + b * F::kBytes, s[c], mn[c]);  // per 32 here
+      } else {
+        F::decode(wcol[c] + b * F::kBytes, q[c], s[c], mn[c]);
+      }
     }
     const long k0 = b * 256;
+    if constexpr (F::kMins) {
+      // Q4_K: the nibbles read as stored, 16 bytes widened once for 32 weights (the low
+      // nibbles are weights 64i + 16h + [0, 16), the high ones 32 further on), and each
+      // weight looked up in a 16-entry table of its sub-block's values (vpermps reads only an
+      // index's low 4 bits), as q_tile does for a 4-bit group.
+      const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      for (int i = 0; i < 4; ++i) {
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+          // Sub-blocks 2i (the low nibbles) and 2i + 1 (the high ones), built per column so
+          // that only two tables are live beside the accumulators.
+          const __m512 tlo =
+              _mm512_fmadd_ps(_mm512_set1_ps(s[c][2 * i]), iota, _mm512_set1_ps(mn[c][2 * i]));
+          const __m512 thi = _mm512_fmadd_ps(_mm512_set1_ps(s[c][2 * i + 1]), iota,
+                                             _mm512_set1_ps(mn[c][2 * i + 1]));
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                wcol[c] + b * F::kBytes + 16 + 32 * i + 16 * h)));
+            const __m512 wl = _mm512_permutexvar_ps(v, tlo);
+            const __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), thi);
+            const long k = k0 + 64 * i + 16 * h;
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; ++r) {
+              acc[r][c] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xrow[r] + k), acc[r][c]);
+              acc[r][c] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xrow[r] + k + 32), acc[r][c]);
+            }
+          }
+        }
+      }
+      continue;
+    }
     for (int j = 0; j < 16; ++j) {
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        const __m512 w = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                _mm_load_si128(reinterpret_cast<const __m128i*>(q[c] + 16 * j)))),
-            _mm512_set1_ps(s[c][j]));
+        const __m512 w = kq_weights16<F>(q[c] + 16 * j, s[c][j], mn[c][j]);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r)
           acc[r][c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xrow[r] + k0 + 16 * j), acc[r][c]);
@@ -426,66 +476,71 @@ void q6k_tile(const Q6kArgs& a, int m0, int n0, int n_end) {
 
 // Columns col[0..NC) for inputs [kb, kb + kn) (whole blocks) into wbuf as float32, for the
 // rows kernel.
-template <int NC>
-void q6k_dequant_block(const Q6kArgs& a, const long* col, long kb, int kn, float* wbuf) {
-  const long row_bytes = long(a.K) / 256 * kQ6kBlockBytes;
+template <class F, int NC>
+void kq_dequant_block(const KQuantArgs& a, const long* col, long kb, int kn, float* wbuf) {
+  const long row_bytes = long(a.K) / 256 * F::kBytes;
   alignas(64) int8_t q[256];
   alignas(64) float s[16];
+  alignas(64) float mn[16];
   for (int c = 0; c < NC; ++c) {
     for (long k = kb; k < kb + kn; k += 256) {
-      q6k_decode(a.w + col[c] * row_bytes + k / 256 * kQ6kBlockBytes, q, s);
+      F::decode(a.w + col[c] * row_bytes + k / 256 * F::kBytes, q, s, mn);
       float* dst = wbuf + c * kWStride + (k - kb);
       for (int j = 0; j < 16; ++j)
-        _mm512_store_ps(dst + 16 * j,
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(
-                                          reinterpret_cast<const __m128i*>(q + 16 * j)))),
-                                      _mm512_set1_ps(s[j])));
+        _mm512_store_ps(dst + 16 * j, kq_weights16<F>(q + 16 * j, s[j], mn[j]));
     }
   }
 }
 
-template <int NC>
-void q6k_rows_block(const Q6kArgs& a, const float* xT, int Mp, int n, int n1) {
+template <class F, int NC>
+void kq_rows_block(const KQuantArgs& a, const float* xT, int Mp, int n, int n1) {
   rows_block<NC>(a, xT, Mp, n, n1, [&a](const long* col, long kb, int kn, float* wbuf) {
-    q6k_dequant_block<NC>(a, col, kb, kn, wbuf);
+    kq_dequant_block<F, NC>(a, col, kb, kn, wbuf);
+  });
+}
+
+template <class F>
+void kq_tiles(const KQuantArgs& a, int n0, int n1) {
+  const int nc = tile_cols(a.M);
+  run_tiles(a, n0, n1, [&](int rows, int m, int n, int n_end) {
+    if (nc == 8) {
+      if (rows == 1) return kq_tile<F, 1, 8>(a, m, n, n_end);
+      return kq_tile<F, 2, 8>(a, m, n, n_end);
+    }
+    if (nc == 4) {
+      if (rows == 3) return kq_tile<F, 3, 4>(a, m, n, n_end);
+      return kq_tile<F, 4, 4>(a, m, n, n_end);
+    }
+    switch (rows) {
+      case 1: return kq_tile<F, 1, 2>(a, m, n, n_end);
+      case 2: return kq_tile<F, 2, 2>(a, m, n, n_end);
+      case 3: return kq_tile<F, 3, 2>(a, m, n, n_end);
+      case 4: return kq_tile<F, 4, 2>(a, m, n, n_end);
+      case 5: return kq_tile<F, 5, 2>(a, m, n, n_end);
+      case 6: return kq_tile<F, 6, 2>(a, m, n, n_end);
+      case 7: return kq_tile<F, 7, 2>(a, m, n, n_end);
+      default: return kq_tile<F, 8, 2>(a, m, n, n_end);
+    }
   });
 }
 
 }  // namespace
 
-void q6k_avx512(const Q6kArgs& a, int n0, int n1) {
-  const int nc = tile_cols(a.M);
-  run_tiles(a, n0, n1, [&](int rows, int m, int n, int n_end) {
-    if (nc == 8) {
-      if (rows == 1) return q6k_tile<1, 8>(a, m, n, n_end);
-      return q6k_tile<2, 8>(a, m, n, n_end);
-    }
-    if (nc == 4) {
-      if (rows == 3) return q6k_tile<3, 4>(a, m, n, n_end);
-      return q6k_tile<4, 4>(a, m, n, n_end);
-    }
-    switch (rows) {
-      case 1: return q6k_tile<1, 2>(a, m, n, n_end);
-      case 2: return q6k_tile<2, 2>(a, m, n, n_end);
-      case 3: return q6k_tile<3, 2>(a, m, n, n_end);
-      case 4: return q6k_tile<4, 2>(a, m, n, n_end);
-      case 5: return q6k_tile<5, 2>(a, m, n, n_end);
-      case 6: return q6k_tile<6, 2>(a, m, n, n_end);
-      case 7: return q6k_tile<7, 2>(a, m, n, n_end);
-      default: return q6k_tile<8, 2>(a, m, n, n_end);
-    }
-  });
+void kq_avx512(const KQuantArgs& a, int n0, int n1) {
+  with_format(a.format, [&]<class F>() { kq_tiles<F>(a, n0, n1); });
 }
 
-void q6k_rows_avx512(const Q6kArgs& a, const float* xT, int Mp, int n0, int n1) {
+void kq_rows_avx512(const KQuantArgs& a, const float* xT, int Mp, int n0, int n1) {
   const int nc = rows_cols(a.M);
-  for (int n = n0; n < n1; n += nc) {
-    if (nc == 24) {
-      q6k_rows_block<24>(a, xT, Mp, n, n1);
-    } else {
-      q6k_rows_block<12>(a, xT, Mp, n, n1);
+  with_format(a.format, [&]<class F>() {
+    for (int n = n0; n < n1; n += nc) {
+      if (nc == 24) {
+        kq_rows_block<F, 24>(a, xT, Mp, n, n1);
+      } else {
+        kq_rows_block<F, 12>(a, xT, Mp, n, n1);
+      }
     }
-  }
+  });
 }
 
 int avx512_tile_cols(int M) {

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kquant_scales.h"
 
 namespace mlxcel_native {
 namespace {
@@ -90,23 +91,45 @@ void bf16mm_generic(const Bf16Args& a, int n0, int n1) {
   }
 }
 
-void q6k_generic(const Q6kArgs& a, int n0, int n1) {
-  const int K = a.K;
-  const long row_bytes = long(K) / 256 * kQ6kBlockBytes;
-  std::vector<float> w(K);
-  for (long n = n0; n < n1; ++n) {
-    for (int k0 = 0; k0 < K; k0 += 256) {
-      // The block's layout: q6k_block.h.
-      const uint8_t* b = a.w + n * row_bytes + k0 / 256 * kQ6kBlockBytes;
-      const float d = half_to_float(uint16_t(b[208] | (b[209] << 8)));
-      for (int i = 0; i < 256; ++i) {
-        const int h = i / 128, quarter = (i % 128) / 32, l = i % 32;
-        const uint8_t ql = b[64 * h + l + 32 * (quarter & 1)];
-        const int low = quarter < 2 ? ql & 15 : ql >> 4;
-        const int high = (b[128 + 32 * h + l] >> (2 * quarter)) & 3;
-        w[k0 + i] = d * float(int8_t(b[192 + i / 16])) * float((low | (high << 4)) - 32);
+namespace {
+
+// One block's 256 weights as float32, portable C++ (the layouts: kquant_block.h).
+void kq_block_weights(KQuant format, const uint8_t* b, float* w) {
+  if (format == KQuant::q4_k) {
+    const float d = half_to_float(uint16_t(b[0] | (b[1] << 8)));
+    const float dmin = half_to_float(uint16_t(b[2] | (b[3] << 8)));
+    const uint8_t* sc = b + 4;
+    for (int j = 0; j < 8; ++j) {
+      int scale, mn;
+      q4k_scale_min(sc, j, scale, mn);
+      const float s = d * float(scale), m = dmin * float(mn);
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t byte = b[16 + 32 * (j / 2) + l];
+        w[32 * j + l] = s * float(j % 2 == 0 ? byte & 15 : byte >> 4) - m;
       }
     }
+    return;
+  }
+  const float d = half_to_float(uint16_t(b[208] | (b[209] << 8)));
+  for (int i = 0; i < 256; ++i) {
+    const int h = i / 128, quarter = (i % 128) / 32, l = i % 32;
+    const uint8_t ql = b[64 * h + l + 32 * (quarter & 1)];
+    const int low = quarter < 2 ? ql & 15 : ql >> 4;
+    const int high = (b[128 + 32 * h + l] >> (2 * quarter)) & 3;
+    w[i] = d * float(int8_t(b[192 + i / 16])) * float((low | (high << 4)) - 32);
+  }
+}
+
+}  // namespace
+
+void kq_generic(const KQuantArgs& a, int n0, int n1) {
+  const int K = a.K;
+  const int bytes = kquant_block_bytes(a.format);
+  const long row_bytes = long(K) / 256 * bytes;
+  std::vector<float> w(K);
+  for (long n = n0; n < n1; ++n) {
+    for (int k0 = 0; k0 < K; k0 += 256)
+      kq_block_weights(a.format, a.w + n * row_bytes + k0 / 256 * bytes, w.data() + k0);
     for (int m = 0; m < a.M; ++m) a.out[long(m) * a.N + n] = dot(a.x + long(m) * K, w.data(), K);
   }
 }

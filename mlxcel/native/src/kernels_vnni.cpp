@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "kernels.h"
-#include "q6k_block.h"
+#include "kquant_block.h"
 #include "scales_avx512.h"
 
 namespace mlxcel_native {
@@ -391,15 +391,19 @@ void vnni_bits(const QmmArgs& a, const Int8Rows& xr, int n0, int n1, bool rows) 
   }
 }
 
-// ---- Q6_K weights ---------------------------------------------------------------------------
-// Per sub-block of 16 inputs the stored 6-bit codes u (0..63) meet the int8 activations in
-// vpdpbusd, and the codes' offset of 32 comes off as 32 * sum(xq) over the same 16 inputs (one
-// more vpdpbusd per 4 inputs, against ones, shared by every column): sum((u - 32) * xq) exact
-// in int32, then one FMA with the row block's d times the sub-block's d * scale. 16 rows x NC
-// columns; wb: the NC columns' codes as bytes [NC][K], sb: their sub-block scales [NC][K / 16].
-template <int NC>
-void q6k_vnni_tile(const Q6kArgs& a, const Int8Rows& xr, int m0, const uint8_t* wb,
-                   const float* sb, int n0, int n_end) {
+// ---- K-quant weights -------------------------------------------------------------------------
+// Per sub-block of F::kSub inputs the stored codes u (unsigned: Q6_K's 0..63, Q4_K's nibbles)
+// meet the int8 activations in vpdpbusd, and a format's code offset (Q6_K's 32) comes off as
+// kOffset * sum(xq) over the same inputs (one more vpdpbusd per 4 inputs, against ones, shared
+// by every column): sum((u - offset) * xq) exact in int32, then one FMA with the row block's d
+// times the sub-block's scale. A format's mins (Q4_K: a sub-block is exactly one 32-input
+// block of xr) add m * d * sum(xq), the sums qmm_quantize_rows_int8 keeps per 32 inputs, as
+// llama.cpp's Q8_K sums serve its Q4_K dot product. 16 rows x NC columns; wb: the NC columns'
+// codes as bytes [NC][K], sb and mb: their scales and mins per 16 inputs [NC][K / 16].
+template <class F, int NC>
+void kq_vnni_tile(const KQuantArgs& a, const Int8Rows& xr, int m0, const uint8_t* wb,
+                  const float* sb, const float* mb, int n0, int n_end) {
+  constexpr int U = F::kSub / 4;  // vpdpbusd steps (4 inputs each) per sub-block
   const int K = a.K;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512 acc[NC];
@@ -407,33 +411,42 @@ void q6k_vnni_tile(const Q6kArgs& a, const Int8Rows& xr, int m0, const uint8_t* 
   for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
   for (long blk = 0; blk < K / 32; ++blk) {
     const __m512 dv = _mm512_loadu_ps(xr.d + d_at(K, blk, m0));
-    for (int h = 0; h < 2; ++h) {
-      // The sub-block's 16 activations, and -32 x their sum as every column's starting point.
-      __m512i xv[4];
-      __m512i xs = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        xv[u] = _mm512_loadu_si512(xr.xq + xq_at(K, blk * 8 + h * 4 + u, m0));
-        xs = _mm512_dpbusd_epi32(xs, ones, xv[u]);
+    for (int h = 0; h < 32 / F::kSub; ++h) {
+      __m512i xv[U];
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u)
+        xv[u] = _mm512_loadu_si512(xr.xq + xq_at(K, blk * 8 + h * U + u, m0));
+      // -offset x the sub-block's activation sum as every column's starting point.
+      __m512i start = _mm512_setzero_si512();
+      if constexpr (F::kOffset != 0) {
+        __m512i xs = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) xs = _mm512_dpbusd_epi32(xs, ones, xv[u]);
+        start = _mm512_sub_epi32(start, _mm512_mullo_epi32(xs, _mm512_set1_epi32(F::kOffset)));
       }
-      const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(xs, 5));
       __m512i ia[NC];
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) ia[c] = start;
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        const long kq = blk * 8 + h * 4 + u;  // which 4 inputs
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) {
+        const long kq = blk * 8 + h * U + u;  // which 4 inputs
 #pragma GCC unroll 16
         for (int c = 0; c < NC; ++c)
           ia[c] = _mm512_dpbusd_epi32(ia[c], _mm512_set1_epi32(load_u32(wb + long(c) * K + kq * 4)),
                                       xv[u]);
       }
-      const long j = blk * 2 + h;  // the sub-block
+      const long j = (blk * 32 + h * F::kSub) / 16;  // the sub-block's first 16 inputs
 #pragma GCC unroll 16
       for (int c = 0; c < NC; ++c) {
         const __m512 sd = _mm512_mul_ps(dv, _mm512_set1_ps(sb[long(c) * (K / 16) + j]));
         acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[c]), sd, acc[c]);
       }
+    }
+    if constexpr (F::kMins) {
+      const __m512 sv = _mm512_loadu_ps(xr.sums + sums_at(K / 32, blk, m0));
+#pragma GCC unroll 16
+      for (int c = 0; c < NC; ++c)
+        acc[c] = _mm512_fmadd_ps(sv, _mm512_set1_ps(mb[long(c) * (K / 16) + blk * 2]), acc[c]);
     }
   }
   alignas(64) float lanes[16];
@@ -518,25 +531,31 @@ void qmm_cols_vnni(const QmmArgs& a, const Int8Rows& xr, int n0, int n1) {
   return vnni_bits<8>(a, xr, n0, n1, false);
 }
 
-void q6k_rows_vnni(const Q6kArgs& a, const Int8Rows& xr, int n0, int n1) {
+void kq_rows_vnni(const KQuantArgs& a, const Int8Rows& xr, int n0, int n1) {
   constexpr int NC = kVnniCols;
   const int K = a.K;
-  const long row_bytes = long(K) / 256 * kQ6kBlockBytes;
-  // Per thread and reused: the column block's codes and scales, decoded once for every row tile.
+  // Per thread and reused: the column block's codes, scales and mins, decoded once for every
+  // row tile.
   thread_local std::vector<uint8_t> wb;
-  thread_local std::vector<float> sb;
+  thread_local std::vector<float> sb, mb;
   wb.resize(size_t(NC) * K);
   sb.resize(size_t(NC) * (K / 16));
-  for (int n = n0; n < n1; n += NC) {
-    for (int c = 0; c < NC; ++c) {
-      const long col = n + c < n1 ? n + c : n1 - 1;
-      for (long b = 0; b < K / 256; ++b)
-        q6k_decode<false>(a.w + col * row_bytes + b * kQ6kBlockBytes,
-                          reinterpret_cast<int8_t*>(wb.data() + long(c) * K + b * 256),
-                          sb.data() + long(c) * (K / 16) + b * 16);
+  mb.resize(size_t(NC) * (K / 16));
+  with_format(a.format, [&]<class F>() {
+    const long row_bytes = long(K) / 256 * F::kBytes;
+    for (int n = n0; n < n1; n += NC) {
+      for (int c = 0; c < NC; ++c) {
+        const long col = n + c < n1 ? n + c : n1 - 1;
+        for (long b = 0; b < K / 256; ++b)
+          F::template decode<false>(a.w + col * row_bytes + b * F::kBytes,
+                                    reinterpret_cast<int8_t*>(wb.data() + long(c) * K + b * 256),
+                                    sb.data() + long(c) * (K / 16) + b * 16,
+                                    mb.data() + long(c) * (K / 16) + b * 16);
+      }
+      for (int m = 0; m < xr.Mp; m += 16)
+        kq_vnni_tile<F, NC>(a, xr, m, wb.data(), sb.data(), mb.data(), n, n1);
     }
-    for (int m = 0; m < xr.Mp; m += 16) q6k_vnni_tile<NC>(a, xr, m, wb.data(), sb.data(), n, n1);
-  }
+  });
 }
 
 }  // namespace mlxcel_native

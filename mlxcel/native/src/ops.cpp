@@ -268,14 +268,24 @@ mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice
       {x, as_stored(w, stream)});
 }
 
-mx::array q6k_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+mx::array kquant_matmul(const mx::array& x, const mx::array& w, const std::string& format,
+                        int int8, mx::StreamOrDevice s) {
+  KQuant kind;
+  if (format == "q4_k") {
+    kind = KQuant::q4_k;
+  } else if (format == "q6_k") {
+    kind = KQuant::q6_k;
+  } else {
+    bad("format must be \"q4_k\" or \"q6_k\", not \"" + format + "\"");
+  }
   if (x.dtype() != mx::float32) bad("x must be float32");
   if (x.ndim() < 1) bad("x must have at least one dimension");
   const int K = x.shape(-1);
-  if (K % 256 != 0) bad("x must have a multiple of 256 inputs (Q6_K blocks)");
-  if (w.dtype() != mx::uint8 || w.ndim() != 2 || long(w.shape(1)) != long(K) / 256 * kQ6kBlockBytes) {
+  if (K % 256 != 0) bad("x must have a multiple of 256 inputs (K-quant blocks)");
+  const long row_bytes = long(K) / 256 * kquant_block_bytes(kind);
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || long(w.shape(1)) != row_bytes) {
     std::ostringstream msg;
-    msg << "w must be uint8 [N, " << long(K) / 256 * kQ6kBlockBytes << "] (Q6_K blocks of " << K
+    msg << "w must be uint8 [N, " << row_bytes << "] (" << format << " blocks of " << K
         << " inputs)";
     bad(msg.str());
   }
@@ -283,7 +293,7 @@ mx::array q6k_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice 
   return mx::array(
       out_shape(x, w.shape(0)),
       mx::float32,
-      std::make_shared<Q6kMatmul>(stream, int8_mode()),
+      std::make_shared<KQuantMatmul>(stream, int(kind), node_int8_mode(int8)),
       {x, as_stored(w, stream)});
 }
 
@@ -390,18 +400,19 @@ void Bf16Matmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   });
 }
 
-void Q6kMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void KQuantMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& x = inputs[0];
   const auto& w = inputs[1];
   auto& encoder = begin_eval(inputs, out, stream());
   const int K = x.shape(-1);
-  Q6kArgs args{
+  KQuantArgs args{
       dense_rows(x, stream()),
       w.data<uint8_t>(),
       K == 0 ? 0 : int(x.size() / K),
       int(w.shape(0)),
       K,
-      out.data<float>()};
+      out.data<float>(),
+      KQuant(format_)};
   // Int8 activations as for QuantizedMatmul, and at every row count in `every row` mode:
   // the rows kernel then serves any count (lanes of 16 rows), so a row's bits never depend on
   // the rows beside it (--batch-invariant), at the cost of 16 lanes' work for a few rows.
@@ -411,31 +422,31 @@ void Q6kMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
       if (args.N == 0 || args.M == 0) return;
       const Int8Rows xr = int8_rows(args.x, args.M, args.K, 32, false, 0);
       run_columns(args.M, args.N, args.K, kVnniCols, [&](int n0, int n1) {
-        q6k_rows_vnni(args, xr, n0, n1);
+        kq_rows_vnni(args, xr, n0, n1);
       });
     });
     return;
   }
-  const auto tiled = [](const Q6kArgs& a, int (*cols)(int),
-                        void (*tile)(const Q6kArgs&, int, int)) {
+  const auto tiled = [](const KQuantArgs& a, int (*cols)(int),
+                        void (*tile)(const KQuantArgs&, int, int)) {
     run_columns(a.M, a.N, a.K, cols(a.M), [&](int n0, int n1) { tile(a, n0, n1); });
   };
   const Isa isa = active_isa();
   if (isa == Isa::avx2) {
     encoder.dispatch([args, tiled]() {
-      run_matmul(args, true, false, avx2_tile_cols, q6k_generic, q6k_rows_avx2,
-                 [&](const Q6kArgs& a) { tiled(a, avx2_tile_cols, q6k_avx2); });
+      run_matmul(args, true, false, avx2_tile_cols, kq_generic, kq_rows_avx2,
+                 [&](const KQuantArgs& a) { tiled(a, avx2_tile_cols, kq_avx2); });
     });
     return;
   }
   encoder.dispatch([args, tiled, avx = isa == Isa::avx512]() {
-    run_matmul(args, avx, false, avx512_tile_cols, q6k_generic, q6k_rows_avx512,
-               [&](const Q6kArgs& a) { tiled(a, avx512_tile_cols, q6k_avx512); });
+    run_matmul(args, avx, false, avx512_tile_cols, kq_generic, kq_rows_avx512,
+               [&](const KQuantArgs& a) { tiled(a, avx512_tile_cols, kq_avx512); });
   });
 }
 
-void Q6kMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("mlxcel native q6k_matmul runs on the CPU device only");
+void KQuantMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("mlxcel native kquant_matmul runs on the CPU device only");
 }
 
 void Bf16Matmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {

@@ -28,10 +28,12 @@ mx::array quantized_matmul(
 // x @ w.T for float32 x [..., K] and bfloat16 w [N, K], computed in float32.
 mx::array bf16_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
 
-// x @ W.T for float32 x [..., K] and W [N, K] held as GGUF's Q6_K blocks (w: uint8
-// [N, K / 256 * 210], kernels.h), computed in float32 (with int8 activations where
-// set_int8_activations says, as quantized_matmul).
-mx::array q6k_matmul(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {});
+// x @ W.T for float32 x [..., K] and W [N, K] held as GGUF's blocks of one K-quant `format`
+// ("q4_k": w uint8 [N, K / 256 * 144]; "q6_k": [N, K / 256 * 210]; kernels.h), computed in
+// float32 (with int8 activations where set_int8_activations says, or `int8` for this node, as
+// quantized_matmul).
+mx::array kquant_matmul(const mx::array& x, const mx::array& w, const std::string& format,
+                        int int8 = -1, mx::StreamOrDevice s = {});
 
 // Which kernels run: "avx512" when the CPU has AVX-512 F/BW/VL/DQ with FMA and F16C, "avx2"
 // when it has AVX2 with FMA and F16C, else "generic" (portable C++), chosen at run time.
@@ -85,21 +87,24 @@ class Bf16Matmul : public mx::UnaryPrimitive {
   }
 };
 
-class Q6kMatmul : public mx::UnaryPrimitive {
+class KQuantMatmul : public mx::UnaryPrimitive {
  public:
-  // `int8`: the Int8Mode in force when the graph was built, as for QuantizedMatmul.
-  Q6kMatmul(mx::Stream stream, int int8) : mx::UnaryPrimitive(stream), int8_(int8) {}
+  // `format`: a KQuant; `int8`: the Int8Mode in force when the graph was built, as for
+  // QuantizedMatmul.
+  KQuantMatmul(mx::Stream stream, int format, int int8)
+      : mx::UnaryPrimitive(stream), format_(format), int8_(int8) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
-    return "MlxcelQ6kMatmul";
+    return "MlxcelKQuantMatmul";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto* o = dynamic_cast<const Q6kMatmul*>(&other);
-    return o != nullptr && o->int8_ == int8_;
+    const auto* o = dynamic_cast<const KQuantMatmul*>(&other);
+    return o != nullptr && o->format_ == format_ && o->int8_ == int8_;
   }
 
  private:
+  int format_;
   int int8_;
 };
 
