@@ -184,3 +184,23 @@ def test_int8_row_gets_the_same_bits_at_any_row_count(fmt: str) -> None:
         for start in (0, 3, 48 - rows):
             part = kquant_matmul(x[start : start + rows], blocks, fmt)
             assert mx.array_equal(part, full[start : start + rows]).item(), (rows, start)
+
+
+@needs_vnni
+def test_a_prompt_pass_takes_int8_at_any_row_count(fmt: str) -> None:
+    """K-quant layers follow the int8 rules affine ones do (docs/reference/http-api.md#seeds):
+    3 rows read as a prompt get the bits they get among 16; a decode batch of 3 rows computes
+    in float32 inside it."""
+    from mlxcel.native import int8_like_rows, prompt_pass
+
+    blocks, dense = _blocks(48, 512, fmt)
+    x = mx.random.normal((16, 512), key=mx.random.key(5))
+    set_int8_activations("many-rows")
+    full = kquant_matmul(x, blocks, fmt)
+    plain = kquant_matmul(x[:3], blocks, fmt)
+    _check(plain, x[:3], dense)  # float32 outside a prompt pass
+    with prompt_pass():
+        assert mx.array_equal(kquant_matmul(x[:3], blocks, fmt), full[:3]).item()
+        with int8_like_rows(3):
+            _check(kquant_matmul(x, blocks, fmt), x, dense)
+    assert mx.array_equal(kquant_matmul(x[:3], blocks, fmt), plain).item()
