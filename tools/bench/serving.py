@@ -795,8 +795,9 @@ def main() -> int:
     ap.add_argument(
         "--keep-quantized",
         action="store_true",
-        help="use a quantised --model as is (mlxcel still dequantises it at load on the CPU; "
-        "on a GPU all three run it as stored)",
+        help="give the MLX peers a quantised --model as it is, not a float32 copy (mlxcel always "
+        "gets the folder itself: on the CPU its quantised layers run on the native kernels); "
+        "also skips writing that copy, which a 1B or larger model's float32 folder makes slow",
     )
     ap.add_argument(
         "--parallel", type=int, default=None, help="mlxcel --parallel (default: max level)"
