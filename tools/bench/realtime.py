@@ -193,12 +193,20 @@ def first_piece_audio(base: str, runs: int = 3) -> float:
 
 
 def first_piece_tokens(base: str, answers: list[str]) -> list[int]:
-    """Tokens in each answer's first spoken piece, cut as the server cuts it."""
+    """Tokens in each answer's first spoken piece, cut as the server cuts it: the text fed a
+    word at a time, as it streams (fed whole, the splitter finds the first sentence's end
+    before it looks for the early cut after a few words, and the piece comes out longer)."""
+    import re
+
     counts = []
     with httpx.Client(base_url=base, timeout=60) as http:
         for text in answers:
             split = SentenceSplitter()
-            pieces = split.feed(text + " ")
+            pieces: list[str] = []
+            for word in re.finditer(r"\S+\s*", text + " "):
+                pieces += split.feed(word.group())
+                if pieces:
+                    break
             piece = pieces[0] if pieces else split.flush()
             if piece:
                 counts.append(len(http.post("/tokenize", json={"content": piece}).json()["tokens"]))
