@@ -62,3 +62,19 @@ def drive(backend: Any, inserts: list[InsertSequence], *, join_every: int) -> Ru
         if not backend._rid_by_uid and not later:
             break
     return run
+
+
+def drive_schedule(
+    backend: Any, schedule: list[tuple[int, InsertSequence]]
+) -> dict[str, list[Any]]:
+    """Insert each sequence at its step (the step numbers of ``schedule``) and apply steps until
+    every row is done: each request's (token, log-probability) in order."""
+    out: dict[str, list[Any]] = {}
+    step, pending = 0, sorted(schedule, key=lambda p: p[0])
+    while pending or backend._rid_by_uid:
+        inserts = tuple(s for at, s in pending if at <= step)
+        pending = [(at, s) for at, s in pending if at > step]
+        for t in backend.apply(StepPlan(inserts=inserts)).tokens:
+            out.setdefault(t.request_id, []).append((t.token, t.logprob))
+        step += 1
+    return out

@@ -11,8 +11,9 @@ import pytest
 
 from mlxcel.actors.model_runner import invariance
 from mlxcel.actors.model_runner.mlx_backend import MlxBackend
-from mlxcel.runtime.messages import InsertSequence, SamplingParams, StepPlan
+from mlxcel.runtime.messages import InsertSequence, SamplingParams
 from mlxcel.runtime.settings import Settings
+from tests.support.drive import drive_schedule
 
 PARALLEL = 8
 
@@ -36,16 +37,7 @@ def run(loaded: Any, schedule: list[tuple[int, InsertSequence]]) -> dict[str, li
     settings = Settings(
         parallel=PARALLEL, prefill_chunk_size=8, cache_ram_mib=64, batch_invariant=True
     )
-    backend = MlxBackend(loaded, settings)
-    out: dict[str, list[Any]] = {}
-    step, pending = 0, sorted(schedule, key=lambda p: p[0])
-    while pending or backend._rid_by_uid:
-        inserts = tuple(s for at, s in pending if at <= step)
-        pending = [(at, s) for at, s in pending if at > step]
-        for t in backend.apply(StepPlan(inserts=inserts)).tokens:
-            out.setdefault(t.request_id, []).append((t.token, t.logprob))
-        step += 1
-    return out
+    return drive_schedule(MlxBackend(loaded, settings), schedule)
 
 
 def test_a_seeded_row_computes_as_it_would_alone(loaded: Any) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import mlxcel.models  # noqa: F401  isort: skip  (OpenBLAS before mlx)
@@ -27,7 +28,10 @@ from mlxcel.cli import add_serve_flags, settings_from
 from mlxcel.models.loader import load_model
 from mlxcel.models.resolve import resolve_model
 from mlxcel.paths import default_cache_dir
-from mlxcel.runtime.messages import InsertSequence, SamplingParams, StepPlan
+from mlxcel.runtime.messages import InsertSequence, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.support.drive import drive_schedule  # noqa: E402 - after sys.path
 
 SEEDED = SamplingParams(temperature=1.0, seed=1239)
 OTHER = SamplingParams(temperature=1.0)
@@ -54,16 +58,7 @@ def main(argv: list[str]) -> int:
 
     def run(schedule: Schedule, backend: MlxBackend | None = None) -> dict[str, list[Any]]:
         """Insert each sequence at its step: every row's (token, log-probability)."""
-        b = backend or MlxBackend(loaded, settings)
-        out: dict[str, list[Any]] = {}
-        step, pending = 0, sorted(schedule, key=lambda p: p[0])
-        while pending or b._rid_by_uid:
-            inserts = tuple(s for at, s in pending if at <= step)
-            pending = [(at, s) for at, s in pending if at > step]
-            for t in b.apply(StepPlan(inserts=inserts)).tokens:
-                out.setdefault(t.request_id, []).append((t.token, t.logprob))
-            step += 1
-        return out
+        return drive_schedule(backend or MlxBackend(loaded, settings), schedule)
 
     def after(first: Schedule, then: Schedule) -> dict[str, list[Any]]:
         backend = MlxBackend(loaded, settings)
